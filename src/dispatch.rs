@@ -1,0 +1,76 @@
+//! Stage transitions: entering a stage (creating its group and members) and firing a
+//! group whose countdown reached zero. Always inside the caller's transaction.
+
+use sqlx::PgConnection;
+
+use crate::definition::{StageKind, Workflow};
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::ids::{ExecutionId, GroupId};
+use crate::store::{self, executions, groups, groups::MemberSource};
+
+/// Fires a group whose countdown reached zero: dispatches the next stage, or completes
+/// the execution after the last one. Returns whether it dispatched (false when the
+/// execution has stopped, or the group had fired already).
+pub(crate) async fn fire(
+    engine: &Engine,
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    group_id: GroupId,
+    stage_index: i32,
+) -> Result<bool> {
+    let Some((status, name, version)) = executions::lock_for_transition(conn, execution_id).await?
+    else {
+        return Ok(false);
+    };
+    if status != "running" || !groups::mark_fired(conn, group_id).await? {
+        return Ok(false);
+    }
+    let workflow = engine.definition(&mut *conn, &name, version).await?;
+    let index = stage_index as usize;
+    let kind = workflow.stages()[index].kind().as_str();
+    enter(
+        conn,
+        execution_id,
+        &workflow,
+        index + 1,
+        Some((group_id, kind)),
+    )
+    .await?;
+    Ok(true)
+}
+
+/// Enters stage `index`, fed by `previous` (its group and kind; `None` for the first
+/// stage). An empty map fires at once and the next stage is entered in the same
+/// transaction; past the last stage the execution completes.
+pub(crate) async fn enter(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    workflow: &Workflow,
+    mut index: usize,
+    mut previous: Option<(GroupId, &'static str)>,
+) -> Result<()> {
+    loop {
+        let Some(stage) = workflow.stages().get(index) else {
+            let (group, _) = previous.expect("a validated workflow has at least one stage");
+            executions::complete(conn, execution_id, index as i32, group).await?;
+            return Ok(());
+        };
+        let source = match (stage.kind(), previous) {
+            (StageKind::Map, None) => MemberSource::ExecutionInput,
+            (StageKind::Map, Some((group, "step"))) => MemberSource::StepOutput(group),
+            (StageKind::Map, Some((group, _))) => MemberSource::GroupOutputs(group),
+            _ => MemberSource::Handlers,
+        };
+        let group_id = GroupId::new();
+        let width =
+            groups::create_stage(conn, execution_id, group_id, workflow, index, source).await?;
+        executions::set_stage(conn, execution_id, index as i32).await?;
+        if width > 0 {
+            return store::notify_tasks(conn).await;
+        }
+        groups::mark_fired(conn, group_id).await?;
+        previous = Some((group_id, stage.kind().as_str()));
+        index += 1;
+    }
+}

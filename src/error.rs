@@ -1,0 +1,136 @@
+//! The library's typed errors.
+
+use crate::definition::DefinitionError;
+
+/// Everything a confluo call can fail with.
+///
+/// Branch on the `is_*` predicates rather than on variants where one exists: the enum is
+/// `#[non_exhaustive]` and grows as the engine does.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The workflow definition was rejected at registration.
+    #[error("invalid workflow definition: {0}")]
+    InvalidDefinition(#[from] DefinitionError),
+
+    /// A different definition is already registered under this name and version.
+    /// Definitions are immutable once registered: register a new version instead.
+    #[error("workflow {name} v{version} is already registered with a different definition")]
+    DefinitionConflict {
+        /// The workflow name.
+        name: String,
+        /// The version that is taken.
+        version: i32,
+    },
+
+    /// No workflow of this name (and version, when one was asked for) is registered.
+    #[error("workflow {name}{} is not registered", version.map(|v| format!(" v{v}")).unwrap_or_default())]
+    WorkflowNotFound {
+        /// The workflow name.
+        name: String,
+        /// The version asked for, if any.
+        version: Option<i32>,
+    },
+
+    /// No execution has this id.
+    #[error("execution {0} not found")]
+    ExecutionNotFound(crate::ExecutionId),
+
+    /// No task has this id.
+    #[error("task {0} not found")]
+    TaskNotFound(crate::TaskId),
+
+    /// A worker was started without a handler for a stage (or branch) of a workflow it serves.
+    #[error(
+        "workflow {workflow} v{version} needs a handler named {handler:?}, and the worker has none"
+    )]
+    MissingHandler {
+        /// The workflow name.
+        workflow: String,
+        /// The version checked.
+        version: i32,
+        /// The handler (stage or branch) name with no handler.
+        handler: String,
+    },
+
+    /// A worker was started without any handler.
+    #[error("the worker has no handlers: register at least one with WorkerBuilder::handler")]
+    NoHandlers,
+
+    /// The execution input does not fit the workflow, e.g. a map as first stage needs an array.
+    #[error("invalid input for workflow {workflow}: {reason}")]
+    InvalidInput {
+        /// The workflow name.
+        workflow: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A task's output does not fit the next stage, e.g. a step followed by a map must
+    /// return an array. Nothing was recorded: the attempt should be failed instead.
+    #[error("invalid output of task {task}: {reason}")]
+    InvalidOutput {
+        /// The task whose output was refused.
+        task: crate::TaskId,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// Serializing an input or deserializing a stored value failed.
+    #[error("JSON (de)serialization failed: {0}")]
+    Json(#[from] serde_json::Error),
+
+    /// Waiting for an execution ran out of time; the execution itself goes on.
+    #[error("timed out waiting for execution {0}")]
+    WaitTimeout(crate::ExecutionId),
+
+    /// No database URL was given and none is set in the environment.
+    #[error("no database configured: set DATABASE_URL (or the PG* variables) or pass a URL")]
+    NoDatabaseConfigured,
+
+    /// Applying the embedded migrations failed.
+    #[error(transparent)]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+
+    /// The database reported an error or could not be reached.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl Error {
+    /// Whether the definition was rejected (invalid or conflicting).
+    pub fn is_invalid_definition(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidDefinition(_) | Error::DefinitionConflict { .. }
+        )
+    }
+
+    /// Whether something asked for does not exist (workflow, execution or task).
+    pub fn is_not_found(&self) -> bool {
+        matches!(
+            self,
+            Error::WorkflowNotFound { .. } | Error::ExecutionNotFound(_) | Error::TaskNotFound(_)
+        )
+    }
+
+    /// Whether the error comes from the database or the connection to it. Such errors are
+    /// usually transient; every confluo write is safe to retry.
+    pub fn is_database(&self) -> bool {
+        matches!(self, Error::Database(_) | Error::Migrate(_))
+    }
+
+    /// Whether the transaction lost a deadlock or serialization race and was rolled back
+    /// as a whole; repeating the call is safe.
+    pub(crate) fn is_retryable_conflict(&self) -> bool {
+        match self {
+            Error::Database(sqlx::Error::Database(db)) => {
+                matches!(db.code().as_deref(), Some("40P01") | Some("40001"))
+            }
+            _ => false,
+        }
+    }
+}
+
+/// `Result` with confluo's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

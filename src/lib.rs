@@ -1,0 +1,79 @@
+//! # confluo
+//!
+//! Durable workflows on PostgreSQL whose fan-in is exactly-once by construction.
+//!
+//! A workflow is a list of stages run in order: a [`step`](Workflow::step) (one task), a
+//! static [`parallel`](Workflow::parallel) block, or a dynamic [`map`](Workflow::map) (one
+//! task per element of the previous output, 0 to 100 000 of them). Workers claim tasks
+//! with `FOR UPDATE SKIP LOCKED`, run async handlers under a renewed lease, retry with
+//! backoff and dead-letter what keeps failing.
+//!
+//! **Fan-in**: each stage's group has a countdown row. Every terminal arrival (completed,
+//! dead-lettered or cancelled) decrements it in the very statement that writes the member's
+//! status, guarded by the attempt's lease token; the one transaction that sees zero
+//! dispatches the next stage before it commits. Never zero dispatches (a stalled
+//! workflow), never two (a duplicate charge), and no lock on the execution row per
+//! completion.
+//!
+//! ```no_run
+//! use confluo::{Engine, MapResults, TaskError, Workflow};
+//! use serde_json::{json, Value};
+//! use std::time::Duration;
+//!
+//! # #[tokio::main] async fn main() -> Result<(), confluo::Error> {
+//! let engine = Engine::connect_env().await?; // DATABASE_URL or PG*
+//! engine.migrate().await?;
+//! engine
+//!     .register(&Workflow::new("squares", 1).step("split").map("square").step("sum"))
+//!     .await?;
+//!
+//! let worker = engine
+//!     .worker()
+//!     .handler("squares", "split", |t| async move {
+//!         let n: u64 = t.input_as()?;
+//!         Ok::<_, TaskError>((1..=n).collect::<Vec<_>>())
+//!     })
+//!     .handler("squares", "square", |t| async move {
+//!         let x: u64 = t.input_as()?;
+//!         Ok::<_, TaskError>(x * x)
+//!     })
+//!     .handler("squares", "sum", |t| async move {
+//!         let squares: MapResults<u64> = t.input_as()?;
+//!         Ok::<_, TaskError>(squares.outputs.iter().sum::<u64>())
+//!     })
+//!     .start()
+//!     .await?;
+//!
+//! let id = engine.start("squares", &json!(100)).await?;
+//! let done = engine.wait(id, Duration::from_secs(60)).await?;
+//! assert_eq!(done.output, Some(json!(338_350)));
+//! worker.shutdown().await;
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+mod definition;
+mod dispatch;
+mod engine;
+mod error;
+mod execution;
+mod fanin;
+mod handler;
+mod ids;
+mod queue;
+mod store;
+mod worker;
+
+pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
+pub use engine::{Engine, EngineBuilder, StartOptions};
+pub use error::{Error, Result};
+pub use execution::{
+    AttemptError, DeadLetter, Execution, ExecutionStatus, MapResults, MemberFailure,
+    ParallelResults, StageProgress,
+};
+pub use fanin::FanInStrategy;
+pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
+pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+pub use queue::{ClaimedTask, Outcome};
+pub use worker::{Worker, WorkerBuilder};

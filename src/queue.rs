@@ -1,0 +1,429 @@
+//! Claiming tasks and acknowledging attempts: the low-level API under the worker.
+//!
+//! Workers built with [`Engine::worker`] use these calls; they are public so that a
+//! service can drive tasks itself (or a test can race acknowledgements precisely).
+//! Every acknowledgement is fenced by the claim's [`LeaseToken`] and safe to repeat.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use crate::definition::StageKind;
+use crate::dispatch;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::execution::ExecutionStatus;
+use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+use crate::store::{executions, groups, tasks};
+
+/// A task claimed for one attempt.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClaimedTask {
+    /// The task.
+    pub id: TaskId,
+    /// Its execution.
+    pub execution_id: ExecutionId,
+    /// Its stage's group (countdown row).
+    pub group_id: GroupId,
+    /// Its workflow.
+    pub workflow: String,
+    /// The workflow version its execution is pinned to.
+    pub workflow_version: i32,
+    /// Its stage's position.
+    pub stage_index: usize,
+    /// The handler that runs it (stage name, or branch name in a parallel stage).
+    pub handler: String,
+    /// Its position in the group.
+    pub item_index: u32,
+    /// This attempt's number, from 1.
+    pub attempt: u32,
+    /// Attempts allowed in all.
+    pub max_attempts: u32,
+    /// The token that fences this attempt.
+    pub lease: LeaseToken,
+    /// When the lease runs out unless renewed.
+    pub lease_expires_at: DateTime<Utc>,
+    /// The stage's per-attempt timeout.
+    pub timeout: Duration,
+    pub(crate) input: Option<Value>,
+    pub(crate) execution_status: ExecutionStatus,
+}
+
+/// What an acknowledgement did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The completion was recorded; `fired` if it was its group's last arrival and
+    /// dispatched the next stage (or completed the execution).
+    Completed {
+        /// Whether this arrival fired the group.
+        fired: bool,
+    },
+    /// The failure was recorded and another attempt is scheduled.
+    RetryScheduled {
+        /// When the task becomes claimable again.
+        at: DateTime<Utc>,
+    },
+    /// The failure was recorded and the task is dead-lettered (attempts exhausted, or a
+    /// permanent error). It counts towards fan-in.
+    DeadLettered {
+        /// Whether this arrival fired the group.
+        fired: bool,
+    },
+    /// The task was cancelled because its execution has stopped.
+    Cancelled,
+    /// This attempt's outcome had already been recorded (a replayed or duplicated
+    /// acknowledgement): nothing changed.
+    AlreadyRecorded,
+    /// The attempt no longer holds the task (its lease expired and was reclaimed, or
+    /// another attempt now runs): nothing changed.
+    LeaseLost,
+}
+
+/// How many times a transaction that lost a deadlock is repeated.
+const CONFLICT_RETRIES: u32 = 5;
+
+impl Engine {
+    /// Claims up to `limit` due tasks of any workflow for `lease`.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn claim(
+        &self,
+        worker_id: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Vec<ClaimedTask>> {
+        self.claim_matching(worker_id, limit, lease, None).await
+    }
+
+    pub(crate) async fn claim_matching(
+        &self,
+        worker_id: &str,
+        limit: usize,
+        lease: Duration,
+        handler_keys: Option<&[String]>,
+    ) -> Result<Vec<ClaimedTask>> {
+        let mut conn = self.pool().acquire().await?;
+        let rows = tasks::claim(
+            &mut conn,
+            worker_id,
+            limit as i64,
+            millis(lease),
+            handler_keys,
+        )
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| ClaimedTask {
+                id: r.id,
+                execution_id: r.execution_id,
+                group_id: r.group_id,
+                workflow: r.workflow_name,
+                workflow_version: r.workflow_version,
+                stage_index: r.stage_index as usize,
+                handler: r.handler,
+                item_index: r.item_index as u32,
+                attempt: r.attempt as u32,
+                max_attempts: r.max_attempts as u32,
+                lease: r.lease_token,
+                lease_expires_at: r.lease_expires_at,
+                timeout: Duration::from_millis(r.timeout_ms.max(0) as u64),
+                input: r.input.map(|j| j.0),
+                execution_status: ExecutionStatus::parse(&r.execution_status),
+            })
+            .collect())
+    }
+
+    /// The input of a claimed task: its map element, or the stage input read by reference
+    /// (the execution input for the first stage, else the previous stage's output).
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn task_input(&self, task: &ClaimedTask) -> Result<Value> {
+        if let Some(input) = &task.input {
+            return Ok(input.clone());
+        }
+        let mut conn = self.pool().acquire().await?;
+        if task.stage_index == 0 {
+            let row = executions::get(&mut *conn, task.execution_id)
+                .await?
+                .ok_or(Error::ExecutionNotFound(task.execution_id))?;
+            return Ok(row.input.0);
+        }
+        match tasks::previous_group(&mut conn, task.execution_id, task.stage_index as i32).await? {
+            Some((group, kind)) => groups::output(&mut *conn, group, &kind).await,
+            None => Err(Error::ExecutionNotFound(task.execution_id)),
+        }
+    }
+
+    /// Extends the lease of a running attempt. Returns the execution's status, or `None`
+    /// if the attempt has lost its lease.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn renew_lease(
+        &self,
+        task: &ClaimedTask,
+        lease: Duration,
+    ) -> Result<Option<ExecutionStatus>> {
+        let mut conn = self.pool().acquire().await?;
+        Ok(
+            tasks::renew_lease(&mut conn, task.id, task.lease, millis(lease))
+                .await?
+                .map(|s| ExecutionStatus::parse(&s)),
+        )
+    }
+
+    /// Records a successful attempt and counts it towards its group, in one transaction;
+    /// the last arrival dispatches the next stage before it commits.
+    ///
+    /// Safe to repeat: a replay returns [`Outcome::AlreadyRecorded`], a stale attempt
+    /// [`Outcome::LeaseLost`], and neither changes anything.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOutput`] (nothing recorded) when the output cannot feed the next
+    /// stage, e.g. a step before a map must return an array; [`Error::TaskNotFound`];
+    /// [`Error::Database`] (then nothing was recorded, or the commit's answer was lost:
+    /// repeat the call to find out).
+    ///
+    /// # Cancel safety
+    /// One transaction: dropped before the commit, nothing is recorded.
+    pub async fn complete(&self, task: &ClaimedTask, output: Value) -> Result<Outcome> {
+        let mut conn = self.pool().acquire().await?;
+        let workflow = self
+            .definition(&mut conn, &task.workflow, task.workflow_version)
+            .await?;
+        drop(conn);
+        let next_is_map = matches!(
+            workflow
+                .stages()
+                .get(task.stage_index + 1)
+                .map(|s| s.kind()),
+            Some(StageKind::Map)
+        );
+        let is_step = matches!(workflow.stages()[task.stage_index].kind(), StageKind::Step);
+        if is_step && next_is_map && !output.is_array() {
+            return Err(Error::InvalidOutput {
+                task: task.id,
+                reason: format!(
+                    "the next stage {:?} is a map, so this step must return a JSON array",
+                    workflow.stages()[task.stage_index + 1].name()
+                ),
+            });
+        }
+        let mut conflicts = 0;
+        loop {
+            match self.complete_once(task, &output).await {
+                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn complete_once(&self, task: &ClaimedTask, output: &Value) -> Result<Outcome> {
+        let mut tx = self.pool().begin().await?;
+        let arrival = self
+            .fan_in()
+            .complete(&mut tx, task.id, task.lease, output)
+            .await?;
+        let Some(arrival) = arrival else {
+            drop(tx);
+            return self.explain_no_match(task.id, task.lease).await;
+        };
+        let fired = arrival.remaining == 0
+            && dispatch::fire(
+                self,
+                &mut tx,
+                arrival.execution_id,
+                arrival.group_id,
+                arrival.stage_index,
+            )
+            .await?;
+        tx.commit().await?;
+        Ok(Outcome::Completed { fired })
+    }
+
+    /// Records a failed attempt: a retry after backoff, or (attempts exhausted, or
+    /// `permanent`) a dead letter that counts towards fan-in, or fails the execution when
+    /// its stage says so (a step always does).
+    ///
+    /// # Errors
+    /// [`Error::TaskNotFound`]; [`Error::Database`]. Safe to repeat, like
+    /// [`complete`](Self::complete).
+    pub async fn fail(&self, task: &ClaimedTask, error: &str, permanent: bool) -> Result<Outcome> {
+        let attempt = Attempt {
+            id: task.id,
+            lease: task.lease,
+            execution_id: task.execution_id,
+            workflow: &task.workflow,
+            workflow_version: task.workflow_version,
+            stage_index: task.stage_index,
+            attempt: task.attempt,
+            max_attempts: task.max_attempts,
+        };
+        self.fail_attempt(&attempt, error, permanent, false).await
+    }
+
+    async fn fail_attempt(
+        &self,
+        attempt: &Attempt<'_>,
+        error: &str,
+        permanent: bool,
+        only_if_expired: bool,
+    ) -> Result<Outcome> {
+        let mut conflicts = 0;
+        loop {
+            match self
+                .fail_once(attempt, error, permanent, only_if_expired)
+                .await
+            {
+                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn fail_once(
+        &self,
+        a: &Attempt<'_>,
+        error: &str,
+        permanent: bool,
+        only_if_expired: bool,
+    ) -> Result<Outcome> {
+        let mut tx = self.pool().begin().await?;
+        let workflow = self
+            .definition(&mut tx, a.workflow, a.workflow_version)
+            .await?;
+        let stage = &workflow.stages()[a.stage_index];
+        let fails_execution = stage.fails_execution_on_member_failure();
+        if fails_execution && (permanent || a.attempt >= a.max_attempts) {
+            // Lock order: execution before group, as a cancel takes them.
+            executions::lock_for_transition(&mut tx, a.execution_id).await?;
+        }
+        let row = self
+            .fan_in()
+            .fail(&mut tx, a.id, a.lease, error, permanent, only_if_expired)
+            .await?;
+        let Some(row) = row else {
+            drop(tx);
+            return self.explain_no_match(a.id, a.lease).await;
+        };
+        let outcome = match row.status.as_str() {
+            "pending" => Outcome::RetryScheduled { at: row.run_at },
+            "cancelled" => Outcome::Cancelled,
+            _ if fails_execution => {
+                let message = format!(
+                    "stage {:?} failed: task {} was dead-lettered after {} attempt(s): {}",
+                    stage.name(),
+                    a.id,
+                    row.attempt,
+                    error
+                );
+                executions::stop(&mut tx, a.execution_id, "failed", Some(&message)).await?;
+                Outcome::DeadLettered { fired: false }
+            }
+            _ => {
+                let fired = match (row.remaining, row.group_id, row.stage_index) {
+                    (Some(0), Some(group), Some(stage_index)) => {
+                        dispatch::fire(self, &mut tx, a.execution_id, group, stage_index).await?
+                    }
+                    _ => false,
+                };
+                Outcome::DeadLettered { fired }
+            }
+        };
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// Gives a claimed task back without counting the attempt (e.g. at shutdown).
+    /// Returns false if the attempt no longer held it.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn release(&self, task: &ClaimedTask) -> Result<bool> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::release(&mut conn, task.id, task.lease).await
+    }
+
+    /// Cancels a claimed task whose execution has stopped; it counts towards its group.
+    pub(crate) async fn cancel_claimed(&self, task: &ClaimedTask) -> Result<bool> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::cancel_claimed(&mut conn, task.id, task.lease).await
+    }
+
+    /// Reclaims up to `limit` running tasks whose lease expired: each counts as a failed
+    /// attempt (retried, or dead-lettered once attempts are exhausted, so a task that
+    /// keeps killing its worker cannot loop forever). Returns how many were reclaimed.
+    /// Safe to run from every worker at once.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn reclaim_expired(&self, limit: usize) -> Result<usize> {
+        let expired = {
+            let mut conn = self.pool().acquire().await?;
+            tasks::expired_leases(&mut conn, limit as i64).await?
+        };
+        let mut reclaimed = 0;
+        for row in expired {
+            let attempt = Attempt {
+                id: row.id,
+                lease: row.lease_token,
+                execution_id: row.execution_id,
+                workflow: &row.workflow_name,
+                workflow_version: row.workflow_version,
+                stage_index: row.stage_index as usize,
+                attempt: row.attempt as u32,
+                max_attempts: row.max_attempts as u32,
+            };
+            let outcome = self
+                .fail_attempt(
+                    &attempt,
+                    "lease expired: the worker stopped renewing it",
+                    false,
+                    true,
+                )
+                .await?;
+            if !matches!(outcome, Outcome::LeaseLost | Outcome::AlreadyRecorded) {
+                tracing::warn!(task_id = %row.id, attempt = row.attempt, ?outcome, "reclaimed an expired lease");
+                reclaimed += 1;
+            }
+        }
+        Ok(reclaimed)
+    }
+
+    /// Why a guarded transition matched nothing.
+    async fn explain_no_match(&self, id: TaskId, lease: LeaseToken) -> Result<Outcome> {
+        let mut conn = self.pool().acquire().await?;
+        match tasks::status_and_token(&mut conn, id).await? {
+            None => Err(Error::TaskNotFound(id)),
+            Some((status, Some(token))) if token == lease && status != "running" => {
+                Ok(Outcome::AlreadyRecorded)
+            }
+            Some(_) => Ok(Outcome::LeaseLost),
+        }
+    }
+}
+
+/// The fields of an attempt that recording its failure needs.
+struct Attempt<'a> {
+    id: TaskId,
+    lease: LeaseToken,
+    execution_id: ExecutionId,
+    workflow: &'a str,
+    workflow_version: i32,
+    stage_index: usize,
+    attempt: u32,
+    max_attempts: u32,
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

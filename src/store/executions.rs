@@ -1,0 +1,248 @@
+//! The `execution` table.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{FromRow, PgConnection};
+
+use crate::error::Result;
+use crate::ids::{ExecutionId, GroupId};
+
+/// One execution row as stored.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct ExecutionRow {
+    pub id: ExecutionId,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    pub status: String,
+    pub input: Json<Value>,
+    pub idempotency_key: Option<String>,
+    pub current_stage: i32,
+    pub output_group: Option<GroupId>,
+    pub error: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// Inserts a running execution. With an idempotency key already taken, inserts nothing
+/// and returns the existing execution's id with `false`; a concurrent insert of the same
+/// key waits for the other transaction and then sees its row.
+pub(crate) async fn insert(
+    conn: &mut PgConnection,
+    id: ExecutionId,
+    workflow_name: &str,
+    workflow_version: i32,
+    input: &Value,
+    idempotency_key: Option<&str>,
+) -> Result<(ExecutionId, bool)> {
+    let inserted: Option<ExecutionId> = sqlx::query_scalar(
+        "INSERT INTO confluo.execution (id, workflow_name, workflow_version, input, idempotency_key)
+         VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (workflow_name, idempotency_key) DO NOTHING
+         RETURNING id",
+    )
+    .bind(id)
+    .bind(workflow_name)
+    .bind(workflow_version)
+    .bind(Json(input))
+    .bind(idempotency_key)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if let Some(id) = inserted {
+        return Ok((id, true));
+    }
+    let existing: ExecutionId = sqlx::query_scalar(
+        "SELECT id FROM confluo.execution WHERE workflow_name = $1 AND idempotency_key = $2",
+    )
+    .bind(workflow_name)
+    .bind(idempotency_key)
+    .fetch_one(conn)
+    .await?;
+    Ok((existing, false))
+}
+
+/// Locks the execution row for a stage transition and returns its status and pinned
+/// workflow. Taken once per stage transition (never per member completion), so that a
+/// transition and a cancel or failure of the execution are serialized.
+pub(crate) async fn lock_for_transition(
+    conn: &mut PgConnection,
+    id: ExecutionId,
+) -> Result<Option<(String, String, i32)>> {
+    Ok(sqlx::query_as(
+        "SELECT status, workflow_name, workflow_version FROM confluo.execution
+          WHERE id = $1 FOR NO KEY UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// Records that the execution entered a stage.
+pub(crate) async fn set_stage(conn: &mut PgConnection, id: ExecutionId, stage: i32) -> Result<()> {
+    sqlx::query(
+        "UPDATE confluo.execution SET current_stage = $2, updated_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .bind(stage)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Completes a running execution; its output is read by reference from `output_group`.
+pub(crate) async fn complete(
+    conn: &mut PgConnection,
+    id: ExecutionId,
+    stages: i32,
+    output_group: GroupId,
+) -> Result<bool> {
+    let done = sqlx::query(
+        "UPDATE confluo.execution
+            SET status = 'completed', current_stage = $2, output_group = $3,
+                updated_at = now(), finished_at = now()
+          WHERE id = $1 AND status = 'running'",
+    )
+    .bind(id)
+    .bind(stages)
+    .bind(output_group)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    Ok(done == 1)
+}
+
+/// Moves a running execution to `failed` or `cancelled` and cancels its pending tasks,
+/// decrementing their groups' countdowns by as many, in the caller's transaction.
+/// Returns false if the execution was not running.
+pub(crate) async fn stop(
+    conn: &mut PgConnection,
+    id: ExecutionId,
+    status: &str,
+    error: Option<&str>,
+) -> Result<bool> {
+    let stopped = sqlx::query(
+        "UPDATE confluo.execution
+            SET status = $2, error = $3, updated_at = now(), finished_at = now()
+          WHERE id = $1 AND status = 'running'",
+    )
+    .bind(id)
+    .bind(status)
+    .bind(error)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if stopped == 0 {
+        return Ok(false);
+    }
+    sqlx::query(
+        "WITH cancelled AS (
+            UPDATE confluo.task SET status = 'cancelled', finished_at = now()
+             WHERE execution_id = $1 AND status = 'pending'
+         RETURNING group_id
+         ), per_group AS (
+            SELECT group_id, count(*)::int AS n FROM cancelled GROUP BY group_id
+         )
+         UPDATE confluo.stage_group g SET remaining = g.remaining - per_group.n
+           FROM per_group WHERE g.id = per_group.group_id",
+    )
+    .bind(id)
+    .execute(conn)
+    .await?;
+    Ok(true)
+}
+
+/// Reads one execution.
+pub(crate) async fn get<'e, E>(executor: E, id: ExecutionId) -> Result<Option<ExecutionRow>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(
+        sqlx::query_as("SELECT * FROM confluo.execution WHERE id = $1")
+            .bind(id)
+            .fetch_optional(executor)
+            .await?,
+    )
+}
+
+/// Reads only the status (cheap, for waiting).
+pub(crate) async fn status<'e, E>(executor: E, id: ExecutionId) -> Result<Option<String>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(
+        sqlx::query_scalar("SELECT status FROM confluo.execution WHERE id = $1")
+            .bind(id)
+            .fetch_optional(executor)
+            .await?,
+    )
+}
+
+/// Per-stage progress of one execution, counted from the members.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct StageRow {
+    pub id: GroupId,
+    pub stage_index: i32,
+    pub stage_name: String,
+    pub kind: String,
+    pub width: i32,
+    pub remaining: i32,
+    pub fired_at: Option<DateTime<Utc>>,
+    pub pending: i64,
+    pub running: i64,
+    pub completed: i64,
+    pub dead: i64,
+    pub cancelled: i64,
+}
+
+pub(crate) async fn stages<'e, E>(executor: E, id: ExecutionId) -> Result<Vec<StageRow>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(sqlx::query_as(
+        "SELECT g.id, g.stage_index, g.stage_name, g.kind, g.width, g.remaining, g.fired_at,
+                count(*) FILTER (WHERE t.status = 'pending')   AS pending,
+                count(*) FILTER (WHERE t.status = 'running')   AS running,
+                count(*) FILTER (WHERE t.status = 'completed') AS completed,
+                count(*) FILTER (WHERE t.status = 'dead')      AS dead,
+                count(*) FILTER (WHERE t.status = 'cancelled') AS cancelled
+           FROM confluo.stage_group g
+           LEFT JOIN confluo.task t ON t.group_id = g.id
+          WHERE g.execution_id = $1
+          GROUP BY g.id
+          ORDER BY g.stage_index",
+    )
+    .bind(id)
+    .fetch_all(executor)
+    .await?)
+}
+
+/// The errors of dead-lettered members of one execution (at most `limit`).
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct DeadTaskRow {
+    pub id: crate::ids::TaskId,
+    pub stage_index: i32,
+    pub handler: String,
+    pub item_index: i32,
+    pub attempt: i32,
+    pub errors: Json<Value>,
+}
+
+pub(crate) async fn dead_tasks<'e, E>(
+    executor: E,
+    id: ExecutionId,
+    limit: i64,
+) -> Result<Vec<DeadTaskRow>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(sqlx::query_as(
+        "SELECT id, stage_index, handler, item_index, attempt, errors FROM confluo.task
+          WHERE execution_id = $1 AND status = 'dead'
+          ORDER BY stage_index, item_index LIMIT $2",
+    )
+    .bind(id)
+    .bind(limit)
+    .fetch_all(executor)
+    .await?)
+}

@@ -1,0 +1,150 @@
+//! The `stage_group` table (countdown rows) and the creation of a stage's members.
+
+use serde_json::Value;
+use sqlx::PgConnection;
+
+use crate::definition::{Stage, Workflow};
+use crate::error::Result;
+use crate::ids::{ExecutionId, GroupId};
+
+/// Where the members of a new stage come from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum MemberSource {
+    /// One member per handler name (a step's one, a parallel block's branches); each reads
+    /// the stage input by reference when claimed.
+    Handlers,
+    /// One member per element of the execution input (a map as first stage).
+    ExecutionInput,
+    /// One member per element of a step's output array.
+    StepOutput(GroupId),
+    /// One member per successful output of a parallel or map group, in item order.
+    GroupOutputs(GroupId),
+}
+
+/// Creates a stage's countdown row and all its members in one statement, so that the group
+/// is never visible without its tasks. Returns the width.
+pub(crate) async fn create_stage(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    group_id: GroupId,
+    workflow: &Workflow,
+    stage_index: usize,
+    source: MemberSource,
+) -> Result<i32> {
+    let stage: &Stage = &workflow.stages()[stage_index];
+    let source_sql = match source {
+        MemberSource::Handlers => {
+            "SELECT s.h AS handler, NULL::jsonb AS input, s.o AS ord
+               FROM unnest($14::text[]) WITH ORDINALITY AS s(h, o)"
+        }
+        MemberSource::ExecutionInput => {
+            "SELECT $4::text AS handler, e.value AS input, e.ord
+               FROM confluo.execution x, jsonb_array_elements(x.input) WITH ORDINALITY AS e(value, ord)
+              WHERE x.id = $2 AND $14::uuid IS NULL"
+        }
+        MemberSource::StepOutput(_) => {
+            "SELECT $4::text AS handler, e.value AS input, e.ord
+               FROM confluo.task p, jsonb_array_elements(p.output) WITH ORDINALITY AS e(value, ord)
+              WHERE p.group_id = $14::uuid"
+        }
+        MemberSource::GroupOutputs(_) => {
+            "SELECT $4::text AS handler, p.output AS input,
+                    row_number() OVER (ORDER BY p.item_index) AS ord
+               FROM confluo.task p
+              WHERE p.group_id = $14::uuid AND p.status = 'completed'"
+        }
+    };
+    let sql = format!(
+        "WITH src AS MATERIALIZED ({source_sql}),
+         g AS (
+            INSERT INTO confluo.stage_group
+                   (id, execution_id, stage_index, stage_name, kind, width, remaining)
+            SELECT $1, $2, $3, $4, $5, count(*), count(*) FROM src
+            RETURNING width
+         ),
+         t AS (
+            INSERT INTO confluo.task
+                   (id, execution_id, group_id, workflow_name, workflow_version, stage_index,
+                    handler, item_index, input, priority, max_attempts, backoff_base_ms,
+                    backoff_max_ms, backoff_jitter, timeout_ms)
+            SELECT gen_random_uuid(), $2, $1, $6, $7, $3, src.handler, (src.ord - 1)::int,
+                   src.input, $8, $9, $10, $11, $12, $13
+              FROM src
+         )
+         SELECT width FROM g"
+    );
+    let retry = stage.retry_policy();
+    let query = sqlx::query_scalar::<_, i32>(&sql)
+        .bind(group_id)
+        .bind(execution_id)
+        .bind(stage_index as i32)
+        .bind(stage.name())
+        .bind(stage.kind().as_str())
+        .bind(workflow.name())
+        .bind(workflow.version())
+        .bind(stage.claim_priority())
+        .bind(retry.max_attempts as i32)
+        .bind(retry.initial_backoff_ms as i64)
+        .bind(retry.max_backoff_ms as i64)
+        .bind(retry.jitter)
+        .bind(stage.attempt_timeout().as_millis() as i64);
+    let query = match source {
+        MemberSource::Handlers => query.bind(stage.handler_names()),
+        MemberSource::ExecutionInput => query.bind(None::<GroupId>),
+        MemberSource::StepOutput(g) | MemberSource::GroupOutputs(g) => query.bind(g),
+    };
+    Ok(query.fetch_one(conn).await?)
+}
+
+/// Sets the fired marker: true for the one caller that fires the group, false if it had
+/// fired already (a second guard behind the countdown) or is not at zero.
+pub(crate) async fn mark_fired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
+    let fired = sqlx::query(
+        "UPDATE confluo.stage_group SET fired_at = now()
+          WHERE id = $1 AND fired_at IS NULL AND remaining = 0",
+    )
+    .bind(group_id)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    Ok(fired == 1)
+}
+
+/// The output of a group as the next stage sees it: a step's own output; for a map
+/// `{"outputs": [..successful outputs in item order..], "failed": [..]}`; for a parallel
+/// block `{"outputs": {branch: output}, "failed": [..]}`.
+pub(crate) async fn output<'e, E>(executor: E, group_id: GroupId, kind: &str) -> Result<Value>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let failed = |branch: &str| {
+        format!(
+            "COALESCE(jsonb_agg(jsonb_build_object(
+                'index', item_index, 'branch', {branch}, 'status', status, 'attempts', attempt,
+                'error', errors -> -1 ->> 'error') ORDER BY item_index)
+            FILTER (WHERE status <> 'completed'), '[]'::jsonb)"
+        )
+    };
+    let sql = match kind {
+        "step" => "SELECT COALESCE(output, 'null'::jsonb) FROM confluo.task WHERE group_id = $1 LIMIT 1".to_owned(),
+        "parallel" => format!(
+            "SELECT jsonb_build_object(
+                'outputs', COALESCE(jsonb_object_agg(handler, output) FILTER (WHERE status = 'completed'), '{{}}'::jsonb),
+                'failed', {})
+               FROM confluo.task WHERE group_id = $1",
+            failed("handler")
+        ),
+        _ => format!(
+            "SELECT jsonb_build_object(
+                'outputs', COALESCE(jsonb_agg(output ORDER BY item_index) FILTER (WHERE status = 'completed'), '[]'::jsonb),
+                'failed', {})
+               FROM confluo.task WHERE group_id = $1",
+            failed("NULL")
+        ),
+    };
+    let value: Option<Value> = sqlx::query_scalar(&sql)
+        .bind(group_id)
+        .fetch_optional(executor)
+        .await?;
+    Ok(value.unwrap_or(Value::Null))
+}

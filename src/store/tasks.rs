@@ -1,0 +1,297 @@
+//! The `task` table: claiming, leases, and the guarded status transitions.
+//!
+//! Every transition out of `running` is guarded by `status = 'running' AND lease_token =
+//! $token`: the lease token is the per-attempt idempotency key. A replayed, duplicate or
+//! stale acknowledgement matches no row and changes nothing.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{FromRow, PgConnection};
+
+use crate::error::Result;
+use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+
+/// A task as handed to a worker by a claim.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct ClaimedRow {
+    pub id: TaskId,
+    pub execution_id: ExecutionId,
+    pub group_id: GroupId,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    pub stage_index: i32,
+    pub handler: String,
+    pub item_index: i32,
+    pub input: Option<Json<Value>>,
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub timeout_ms: i64,
+    pub lease_token: LeaseToken,
+    pub lease_expires_at: DateTime<Utc>,
+    pub execution_status: String,
+}
+
+/// Separates workflow and handler names in claim filters; names cannot contain it.
+pub(crate) const KEY_SEPARATOR: char = '\u{1f}';
+
+/// Claims up to `limit` due tasks in one statement, highest priority first, then oldest
+/// due. `handler_keys` (`workflow<US>handler`) restricts the claim to what the caller can
+/// run; `None` claims anything.
+pub(crate) async fn claim(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    limit: i64,
+    lease_ms: i64,
+    handler_keys: Option<&[String]>,
+) -> Result<Vec<ClaimedRow>> {
+    Ok(sqlx::query_as(
+        "WITH picked AS (
+            SELECT id FROM confluo.task
+             WHERE status = 'pending' AND run_at <= now()
+               AND ($4::text[] IS NULL OR (workflow_name || chr(31) || handler) = ANY ($4::text[]))
+             ORDER BY priority DESC, run_at
+             LIMIT $1
+             FOR UPDATE SKIP LOCKED
+         )
+         UPDATE confluo.task t
+            SET status = 'running', attempt = t.attempt + 1, lease_token = gen_random_uuid(),
+                lease_expires_at = now() + $2 * interval '1 millisecond',
+                worker_id = $3, started_at = now()
+           FROM picked
+          WHERE t.id = picked.id
+      RETURNING t.id, t.execution_id, t.group_id, t.workflow_name, t.workflow_version,
+                t.stage_index, t.handler, t.item_index, t.input, t.attempt, t.max_attempts,
+                t.timeout_ms, t.lease_token, t.lease_expires_at,
+                (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)
+                    AS execution_status",
+    )
+    .bind(limit)
+    .bind(lease_ms)
+    .bind(worker_id)
+    .bind(handler_keys)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Extends a held lease. Returns the execution's status, or `None` if the lease is lost.
+pub(crate) async fn renew_lease(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    lease_ms: i64,
+) -> Result<Option<String>> {
+    Ok(sqlx::query_scalar(
+        "UPDATE confluo.task t SET lease_expires_at = now() + $3 * interval '1 millisecond'
+          WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
+      RETURNING (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(lease_ms)
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// What a terminal arrival did to its group's countdown.
+#[derive(Debug, Clone, Copy, FromRow)]
+pub(crate) struct CountdownRow {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+    pub remaining: i32,
+}
+
+/// Completes a running attempt and decrements its group, in one statement: the group row
+/// is locked last, right before the caller commits. `None`: the guard matched nothing.
+pub(crate) async fn complete_counting_down(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    output: &Value,
+) -> Result<Option<CountdownRow>> {
+    Ok(sqlx::query_as(
+        "WITH done AS (
+            UPDATE confluo.task
+               SET status = 'completed', output = $3, finished_at = now(), lease_expires_at = NULL
+             WHERE id = $1 AND lease_token = $2 AND status = 'running'
+         RETURNING group_id
+         )
+         UPDATE confluo.stage_group g
+            SET remaining = g.remaining - 1
+           FROM done
+          WHERE g.id = done.group_id
+      RETURNING g.id AS group_id, g.execution_id, g.stage_index, g.remaining",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(Json(output))
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// The result of recording a failed attempt.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct FailedRow {
+    /// `pending` (retry scheduled), `dead`, or `cancelled` (its execution stopped).
+    pub status: String,
+    pub run_at: DateTime<Utc>,
+    pub attempt: i32,
+    pub group_id: Option<GroupId>,
+    pub stage_index: Option<i32>,
+    pub remaining: Option<i32>,
+}
+
+/// Records a failed attempt: schedules a retry with backoff (from the policy persisted on
+/// the row), or dead-letters the task when attempts are exhausted or the error is
+/// permanent, or cancels it when its execution has stopped. A terminal outcome decrements
+/// the group in the same statement. With `only_if_expired`, the lease must have expired
+/// (reclaiming), so a renewal that won the race keeps the attempt alive.
+pub(crate) async fn fail_counting_down(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    error: &str,
+    permanent: bool,
+    only_if_expired: bool,
+) -> Result<Option<FailedRow>> {
+    Ok(sqlx::query_as(
+        "WITH failed AS (
+            UPDATE confluo.task t
+               SET status = v.next_status,
+                   run_at = CASE WHEN v.next_status = 'pending'
+                       THEN now() + least(t.backoff_max_ms::float8,
+                                          t.backoff_base_ms * power(2::float8, greatest(t.attempt - 1, 0)))
+                                  * (1 - t.backoff_jitter * random()) * interval '1 millisecond'
+                       ELSE t.run_at END,
+                   errors = t.errors || jsonb_build_array(jsonb_build_object(
+                       'attempt', t.attempt, 'error', $3::text, 'at', now())),
+                   finished_at = CASE WHEN v.next_status = 'pending' THEN NULL ELSE now() END,
+                   lease_expires_at = NULL
+              FROM (SELECT CASE
+                        WHEN x.status <> 'running' THEN 'cancelled'
+                        WHEN $4 OR y.attempt >= y.max_attempts THEN 'dead'
+                        ELSE 'pending' END AS next_status
+                      FROM confluo.task y JOIN confluo.execution x ON x.id = y.execution_id
+                     WHERE y.id = $1) v
+             WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
+               AND (NOT $5 OR t.lease_expires_at < now())
+         RETURNING t.group_id, t.status, t.run_at, t.attempt
+         ), counted AS (
+            UPDATE confluo.stage_group g
+               SET remaining = g.remaining - 1
+              FROM failed
+             WHERE g.id = failed.group_id AND failed.status <> 'pending'
+         RETURNING g.id, g.stage_index, g.remaining
+         )
+         SELECT failed.status, failed.run_at, failed.attempt,
+                counted.id AS group_id, counted.stage_index, counted.remaining
+           FROM failed LEFT JOIN counted ON true",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(error)
+    .bind(permanent)
+    .bind(only_if_expired)
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// Cancels a claimed attempt whose execution has stopped, decrementing its group.
+pub(crate) async fn cancel_claimed(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+) -> Result<bool> {
+    let rows = sqlx::query(
+        "WITH c AS (
+            UPDATE confluo.task
+               SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL
+             WHERE id = $1 AND lease_token = $2 AND status = 'running'
+         RETURNING group_id
+         )
+         UPDATE confluo.stage_group g SET remaining = g.remaining - 1
+           FROM c WHERE g.id = c.group_id",
+    )
+    .bind(id)
+    .bind(token)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    Ok(rows == 1)
+}
+
+/// Gives a claimed task back without counting the attempt (graceful shutdown).
+pub(crate) async fn release(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+) -> Result<bool> {
+    let rows = sqlx::query(
+        "UPDATE confluo.task
+            SET status = 'pending', attempt = attempt - 1, run_at = now(), lease_expires_at = NULL
+          WHERE id = $1 AND lease_token = $2 AND status = 'running'",
+    )
+    .bind(id)
+    .bind(token)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    Ok(rows == 1)
+}
+
+/// Status and latest lease token of a task, to explain why a guarded transition matched
+/// nothing.
+pub(crate) async fn status_and_token(
+    conn: &mut PgConnection,
+    id: TaskId,
+) -> Result<Option<(String, Option<LeaseToken>)>> {
+    Ok(
+        sqlx::query_as("SELECT status, lease_token FROM confluo.task WHERE id = $1")
+            .bind(id)
+            .fetch_optional(conn)
+            .await?,
+    )
+}
+
+/// A running task whose lease has expired.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct ExpiredRow {
+    pub id: TaskId,
+    pub lease_token: LeaseToken,
+    pub execution_id: ExecutionId,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    pub stage_index: i32,
+    pub attempt: i32,
+    pub max_attempts: i32,
+}
+
+/// Running tasks whose lease has expired, oldest first.
+pub(crate) async fn expired_leases(conn: &mut PgConnection, limit: i64) -> Result<Vec<ExpiredRow>> {
+    Ok(sqlx::query_as(
+        "SELECT id, lease_token, execution_id, workflow_name, workflow_version, stage_index,
+                attempt, max_attempts
+           FROM confluo.task
+          WHERE status = 'running' AND lease_expires_at < now()
+          ORDER BY lease_expires_at LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// The group of the stage before `stage_index` (its output is this stage's input).
+pub(crate) async fn previous_group(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    stage_index: i32,
+) -> Result<Option<(GroupId, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT id, kind FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = $2",
+    )
+    .bind(execution_id)
+    .bind(stage_index - 1)
+    .fetch_optional(conn)
+    .await?)
+}

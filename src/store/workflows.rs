@@ -1,0 +1,55 @@
+//! The `workflow` table: registered definitions.
+
+use sqlx::types::Json;
+use sqlx::PgPool;
+
+use crate::definition::Workflow;
+use crate::error::{Error, Result};
+
+/// Stores a definition; registering the same one again is a no-op, a different one under
+/// the same name and version is a conflict.
+pub(crate) async fn register(pool: &PgPool, workflow: &Workflow) -> Result<()> {
+    let inserted = sqlx::query(
+        "INSERT INTO confluo.workflow (name, version, definition) VALUES ($1, $2, $3)
+         ON CONFLICT (name, version) DO NOTHING",
+    )
+    .bind(workflow.name())
+    .bind(workflow.version())
+    .bind(Json(workflow))
+    .execute(pool)
+    .await?
+    .rows_affected();
+    if inserted == 1 {
+        return Ok(());
+    }
+    let stored = load(pool, workflow.name(), Some(workflow.version())).await?;
+    if &stored == workflow {
+        Ok(())
+    } else {
+        Err(Error::DefinitionConflict {
+            name: workflow.name().to_owned(),
+            version: workflow.version(),
+        })
+    }
+}
+
+/// Loads one version, or the latest when `version` is `None`.
+pub(crate) async fn load<'e, E>(executor: E, name: &str, version: Option<i32>) -> Result<Workflow>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let row: Option<(Json<Workflow>,)> = sqlx::query_as(
+        "SELECT definition FROM confluo.workflow
+          WHERE name = $1 AND ($2::int IS NULL OR version = $2)
+          ORDER BY version DESC LIMIT 1",
+    )
+    .bind(name)
+    .bind(version)
+    .fetch_optional(executor)
+    .await?;
+    row.map(|(Json(wf),)| wf)
+        .ok_or_else(|| Error::WorkflowNotFound {
+            name: name.to_owned(),
+            version,
+        })
+}

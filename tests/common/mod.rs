@@ -1,0 +1,225 @@
+//! Test databases: one fresh database per test, cloned from a migrated template, so tests
+//! run in parallel without seeing each other's rows.
+//!
+//! The server is `DATABASE_URL` when set; otherwise a PostgreSQL 16 container through
+//! testcontainers when a Docker engine answers; otherwise the test fails with a message
+//! saying how to provide one.
+#![allow(dead_code, unreachable_pub)]
+
+use std::hash::{Hash, Hasher};
+use std::str::FromStr;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use confluo::Engine;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+/// A database of its own for one test; dropped (with its connections) when the test ends.
+pub struct TestDb {
+    pub engine: Engine,
+    pub pool: PgPool,
+    pub name: String,
+    options: PgConnectOptions,
+    admin: PgConnectOptions,
+}
+
+impl TestDb {
+    /// A fresh migrated database with a pool of `max_connections`.
+    pub async fn new(max_connections: u32) -> TestDb {
+        let admin = admin_options();
+        let template = ensure_template(&admin).await;
+        let name = format!("confluo_t_{}", uuid::Uuid::new_v4().simple());
+        let mut conn = admin
+            .connect()
+            .await
+            .expect("connect to the admin database");
+        sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+            .execute(&mut conn)
+            .await
+            .expect("create the test database");
+        conn.close().await.ok();
+        let options = admin.clone().database(&name);
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_with(options.clone())
+            .await
+            .expect("connect to the test database");
+        TestDb {
+            engine: Engine::new(pool.clone()),
+            pool,
+            name,
+            options,
+            admin,
+        }
+    }
+
+    /// Another pool on the same database (a "separate process").
+    pub async fn new_pool(&self, max_connections: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_with(self.options.clone())
+            .await
+            .expect("connect another pool")
+    }
+
+    /// A single connection of its own.
+    pub async fn connection(&self) -> PgConnection {
+        self.options.connect().await.expect("connect")
+    }
+
+    /// The URL-less options of this database.
+    pub fn options(&self) -> PgConnectOptions {
+        self.options.clone()
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let admin = self.admin.clone();
+        let name = self.name.clone();
+        let pool = self.pool.clone();
+        // Drop runs inside the test's runtime; do the async clean-up on a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                pool.close().await;
+                if let Ok(mut conn) = admin.connect().await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&mut conn)
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn admin_options() -> PgConnectOptions {
+    static URL: OnceLock<String> = OnceLock::new();
+    let url = URL.get_or_init(|| match std::env::var("DATABASE_URL") {
+        Ok(url) => url,
+        Err(_) => container_url().unwrap_or_else(|reason| {
+            panic!(
+                "confluo's tests need PostgreSQL. Set DATABASE_URL, e.g.\n  \
+                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo test\n\
+                 or make a Docker engine reachable so a PostgreSQL 16 container can start \
+                 ({reason}), or run `bash .ci/run`, which finds or starts a local server."
+            )
+        }),
+    });
+    PgConnectOptions::from_str(url).expect("DATABASE_URL is not a valid PostgreSQL URL")
+}
+
+/// Starts one PostgreSQL 16 container for the whole test binary (kept until the process
+/// exits).
+fn container_url() -> Result<String, String> {
+    use testcontainers::runners::SyncRunner;
+    use testcontainers::ImageExt;
+    use testcontainers_modules::postgres::Postgres;
+    static CONTAINER: OnceLock<testcontainers::Container<Postgres>> = OnceLock::new();
+    std::thread::spawn(|| {
+        if CONTAINER.get().is_none() {
+            let container = Postgres::default()
+                .with_tag("16-alpine")
+                .start()
+                .map_err(|e| format!("no container: {e}"))?;
+            let _ = CONTAINER.set(container);
+        }
+        let c = CONTAINER.get().expect("set above");
+        let host = c.get_host().map_err(|e| e.to_string())?;
+        let port = c.get_host_port_ipv4(5432).map_err(|e| e.to_string())?;
+        Ok(format!(
+            "postgres://postgres:postgres@{host}:{port}/postgres"
+        ))
+    })
+    .join()
+    .map_err(|_| "starting the container panicked".to_owned())?
+}
+
+/// Creates (once per migration set) a migrated template database, under an advisory lock
+/// so that concurrent tests and test binaries build it once.
+async fn ensure_template(admin: &PgConnectOptions) -> String {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("migrations folder")
+        .map(|e| e.expect("dir entry").path())
+        .collect();
+    files.sort();
+    for f in files {
+        std::fs::read(&f).expect("read migration").hash(&mut hasher);
+    }
+    let template = format!("confluo_template_{:016x}", hasher.finish());
+
+    let mut conn = admin
+        .connect()
+        .await
+        .expect("cannot connect to the PostgreSQL server named by DATABASE_URL; is it running?");
+    sqlx::query("SELECT pg_advisory_lock(hashtext('confluo.test-template'))")
+        .execute(&mut conn)
+        .await
+        .expect("advisory lock");
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&template)
+            .fetch_one(&mut conn)
+            .await
+            .expect("look up template");
+    if !exists {
+        let building = format!("{template}_building");
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {building} WITH (FORCE)"))
+            .execute(&mut conn)
+            .await
+            .expect("drop half-built template");
+        sqlx::query(&format!("CREATE DATABASE {building}"))
+            .execute(&mut conn)
+            .await
+            .expect("create template");
+        {
+            let pool = PgPoolOptions::new()
+                .max_connections(2)
+                .connect_with(admin.clone().database(&building))
+                .await
+                .expect("connect template");
+            Engine::new(pool.clone())
+                .migrate()
+                .await
+                .expect("migrate template");
+            pool.close().await;
+        }
+        sqlx::query(&format!("ALTER DATABASE {building} RENAME TO {template}"))
+            .execute(&mut conn)
+            .await
+            .expect("publish template");
+    }
+    sqlx::query("SELECT pg_advisory_unlock(hashtext('confluo.test-template'))")
+        .execute(&mut conn)
+        .await
+        .expect("advisory unlock");
+    conn.close().await.ok();
+    template
+}
+
+/// Runs `f` until it returns true or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if f().await {
+            return true;
+        }
+        if tokio::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,296 @@
+//! Exactly-once fan-in under simultaneous finish, replays, duplicates and zombies, with
+//! real concurrent transactions on separate connections.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::TestDb;
+use confluo::{ClaimedTask, Engine, Outcome, RetryPolicy, Stage, Workflow};
+use serde_json::json;
+use tokio::sync::Barrier;
+
+/// A map of `width` members followed by one step.
+async fn wide(db: &TestDb, retry: RetryPolicy) -> Workflow {
+    let wf = Workflow::new("wide", 1)
+        .stage(Stage::map("member").retry(retry))
+        .step("after");
+    db.engine.register(&wf).await.unwrap();
+    wf
+}
+
+async fn claim_all(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
+    let mut claimed = Vec::new();
+    while claimed.len() < n {
+        let batch = engine
+            .claim("test", 200, Duration::from_secs(300))
+            .await
+            .unwrap();
+        assert!(
+            !batch.is_empty(),
+            "only {} of {n} tasks were claimable",
+            claimed.len()
+        );
+        claimed.extend(batch);
+    }
+    claimed
+}
+
+/// Counts what the database says happened after a group: groups of the next stage, its
+/// tasks, the group's counter and fired marker.
+async fn after_state(db: &TestDb, execution: confluo::ExecutionId) -> (i64, i64, i32, bool) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = 1),
+                (SELECT count(*) FROM confluo.task WHERE execution_id = $1 AND stage_index = 1),
+                g.remaining, g.fired_at IS NOT NULL
+           FROM confluo.stage_group g WHERE g.execution_id = $1 AND g.stage_index = 0",
+    )
+    .bind(execution)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// Completes every claimed task from `finishers` concurrent connections released together
+/// by a barrier; returns each completion's outcome.
+async fn finish_together(
+    engine: &Engine,
+    tasks: Vec<ClaimedTask>,
+    finishers: usize,
+) -> Vec<Outcome> {
+    let barrier = Arc::new(Barrier::new(finishers));
+    let tasks = Arc::new(tasks);
+    let mut handles = Vec::new();
+    for f in 0..finishers {
+        let (engine, barrier, tasks) = (engine.clone(), barrier.clone(), tasks.clone());
+        handles.push(tokio::spawn(async move {
+            // Hold a connection of its own before the barrier, so all start at once.
+            let warm = engine.pool().acquire().await.unwrap();
+            drop(warm);
+            barrier.wait().await;
+            let mut outcomes = Vec::new();
+            for task in tasks.iter().skip(f).step_by(finishers) {
+                outcomes.push(
+                    engine
+                        .complete(task, json!({"i": task.item_index}))
+                        .await
+                        .unwrap(),
+                );
+            }
+            outcomes
+        }));
+    }
+    let mut all = Vec::new();
+    for h in handles {
+        all.extend(h.await.unwrap());
+    }
+    all
+}
+
+async fn simultaneous_finish(width: usize, rounds: usize) {
+    let finishers = width.min(40);
+    let db = TestDb::new(finishers as u32 + 2).await;
+    wide(&db, RetryPolicy::default()).await;
+    for round in 0..rounds {
+        let input: Vec<usize> = (0..width).collect();
+        let id = db.engine.start("wide", &input).await.unwrap();
+        let tasks = claim_all(&db.engine, width).await;
+        assert_eq!(tasks.len(), width);
+        let outcomes = finish_together(&db.engine, tasks, finishers).await;
+        let fired = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Completed { fired: true }))
+            .count();
+        assert_eq!(
+            fired, 1,
+            "round {round}: {fired} completions fired, outcomes {outcomes:?}"
+        );
+        assert!(outcomes
+            .iter()
+            .all(|o| matches!(o, Outcome::Completed { .. })));
+        let (groups, next_tasks, remaining, marked) = after_state(&db, id).await;
+        assert_eq!(
+            (groups, next_tasks, remaining, marked),
+            (1, 1, 0, true),
+            "round {round}"
+        );
+        // Drain the next stage so the following round claims only its own members.
+        let after = claim_all(&db.engine, 1).await;
+        assert_eq!(after[0].handler, "after");
+        let input = db.engine.task_input(&after[0]).await.unwrap();
+        assert_eq!(input["outputs"].as_array().unwrap().len(), width);
+        assert_eq!(input["outputs"][width - 1], json!({"i": width - 1}));
+        db.engine.complete(&after[0], json!("done")).await.unwrap();
+        assert_eq!(
+            db.engine.status(id).await.unwrap(),
+            confluo::ExecutionStatus::Completed
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn simultaneous_finish_width_2_fires_exactly_once() {
+    simultaneous_finish(2, 40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn simultaneous_finish_width_50_fires_exactly_once() {
+    simultaneous_finish(50, 12).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn simultaneous_finish_width_500_fires_exactly_once() {
+    simultaneous_finish(500, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replays_and_duplicates_decrement_nothing() {
+    let db = TestDb::new(20).await;
+    wide(&db, RetryPolicy::default()).await;
+    let id = db.engine.start("wide", &[1, 2, 3]).await.unwrap();
+    let tasks = claim_all(&db.engine, 3).await;
+
+    // The first member's acknowledgement is delivered three times, concurrently.
+    let first = tasks[0].clone();
+    let barrier = Arc::new(Barrier::new(3));
+    let mut handles = Vec::new();
+    for _ in 0..3 {
+        let (engine, barrier, task) = (db.engine.clone(), barrier.clone(), first.clone());
+        handles.push(tokio::spawn(async move {
+            barrier.wait().await;
+            engine.complete(&task, json!("first")).await.unwrap()
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for h in handles {
+        outcomes.push(h.await.unwrap());
+    }
+    outcomes.sort_by_key(|o| format!("{o:?}"));
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::AlreadyRecorded,
+            Outcome::AlreadyRecorded,
+            Outcome::Completed { fired: false }
+        ]
+    );
+    let (_, _, remaining, _) = after_state(&db, id).await;
+    assert_eq!(remaining, 2, "a duplicate decremented the countdown");
+
+    // A replayed failure for a completed attempt changes nothing either.
+    assert_eq!(
+        db.engine.fail(&first, "late", false).await.unwrap(),
+        Outcome::AlreadyRecorded
+    );
+
+    assert_eq!(
+        db.engine.complete(&tasks[1], json!(2)).await.unwrap(),
+        Outcome::Completed { fired: false }
+    );
+    assert_eq!(
+        db.engine.complete(&tasks[2], json!(3)).await.unwrap(),
+        Outcome::Completed { fired: true }
+    );
+    // Replaying the firing completion does not fire again.
+    assert_eq!(
+        db.engine.complete(&tasks[2], json!(3)).await.unwrap(),
+        Outcome::AlreadyRecorded
+    );
+    let (groups, next_tasks, remaining, _) = after_state(&db, id).await;
+    assert_eq!((groups, next_tasks, remaining), (1, 1, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn zombie_after_reclaimed_lease_changes_nothing() {
+    let db = TestDb::new(10).await;
+    wide(
+        &db,
+        RetryPolicy::exponential(3).backoff(Duration::ZERO, Duration::ZERO),
+    )
+    .await;
+    let id = db.engine.start("wide", &[1, 2]).await.unwrap();
+    let short = db
+        .engine
+        .claim("zombie", 2, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(short.len(), 2);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(db.engine.reclaim_expired(10).await.unwrap(), 2);
+    // Reclaiming counted the attempt; the tasks are claimable again.
+    let fresh = claim_all(&db.engine, 2).await;
+    assert!(fresh.iter().all(|t| t.attempt == 2));
+    assert_eq!(
+        db.engine.complete(&fresh[0], json!("new")).await.unwrap(),
+        Outcome::Completed { fired: false }
+    );
+
+    // The zombie attempts finish now: one after its successor completed, one while its
+    // successor still runs. Both are fenced out.
+    for zombie in &short {
+        assert_eq!(
+            db.engine.complete(zombie, json!("zombie")).await.unwrap(),
+            Outcome::LeaseLost
+        );
+        assert_eq!(
+            db.engine.fail(zombie, "zombie", true).await.unwrap(),
+            Outcome::LeaseLost
+        );
+    }
+    let (_, _, remaining, _) = after_state(&db, id).await;
+    assert_eq!(remaining, 1);
+    assert_eq!(
+        db.engine.complete(&fresh[1], json!("new")).await.unwrap(),
+        Outcome::Completed { fired: true }
+    );
+    let stored: Vec<serde_json::Value> = sqlx::query_scalar(
+        "SELECT output FROM confluo.task WHERE execution_id = $1 AND stage_index = 0 ORDER BY item_index",
+    )
+    .bind(id)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(stored, [json!("new"), json!("new")]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letter_racing_a_sibling_completion_fires_once() {
+    let db = TestDb::new(10).await;
+    wide(&db, RetryPolicy::none()).await;
+    for round in 0..20 {
+        let id = db.engine.start("wide", &[1, 2]).await.unwrap();
+        let tasks = claim_all(&db.engine, 2).await;
+        let barrier = Arc::new(Barrier::new(2));
+        let (e1, b1, t1) = (db.engine.clone(), barrier.clone(), tasks[0].clone());
+        let (e2, b2, t2) = (db.engine.clone(), barrier.clone(), tasks[1].clone());
+        let dead = tokio::spawn(async move {
+            b1.wait().await;
+            e1.fail(&t1, "boom", false).await.unwrap()
+        });
+        let done = tokio::spawn(async move {
+            b2.wait().await;
+            e2.complete(&t2, json!("ok")).await.unwrap()
+        });
+        let (dead, done) = (dead.await.unwrap(), done.await.unwrap());
+        let fired = [&dead, &done]
+            .iter()
+            .filter(|o| {
+                matches!(
+                    o,
+                    Outcome::DeadLettered { fired: true } | Outcome::Completed { fired: true }
+                )
+            })
+            .count();
+        assert_eq!(fired, 1, "round {round}: {dead:?} / {done:?}");
+        let (groups, next_tasks, remaining, marked) = after_state(&db, id).await;
+        assert_eq!((groups, next_tasks, remaining, marked), (1, 1, 0, true));
+        // The next stage sees the success and the failure.
+        let after = claim_all(&db.engine, 1).await;
+        let input = db.engine.task_input(&after[0]).await.unwrap();
+        assert_eq!(input["outputs"], json!(["ok"]));
+        assert_eq!(input["failed"][0]["index"], json!(0));
+        assert_eq!(input["failed"][0]["error"], json!("boom"));
+        db.engine.complete(&after[0], json!(null)).await.unwrap();
+    }
+}
