@@ -462,7 +462,8 @@ mod tests {
 
     #[test]
     fn rejects_each_invalid_shape_with_its_own_error() {
-        let cases: Vec<(Workflow, fn(&DefinitionError) -> bool)> = vec![
+        type Expected = fn(&DefinitionError) -> bool;
+        let cases: Vec<(Workflow, Expected)> = vec![
             (Workflow::new("", 1).step("a"), |e| {
                 matches!(e, DefinitionError::InvalidWorkflowName { .. })
             }),
