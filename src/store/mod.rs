@@ -44,7 +44,9 @@ async fn migrate_on(conn: &mut PgConnection) -> Result<()> {
         sqlx::query(&format!("SET search_path TO {SCHEMA}"))
             .execute(&mut *conn)
             .await?;
-        MIGRATOR.run(&mut *conn).await?;
+        // `run_direct` is `run` without its `Acquire` bound, whose future is not `Send`
+        // (sqlx#1396): with it, `migrate()` could not be spawned.
+        MIGRATOR.run_direct(&mut *conn).await?;
         Ok(())
     }
     .await;
