@@ -392,17 +392,20 @@ impl Engine {
         name: &str,
         version: i32,
     ) -> Result<Arc<Workflow>> {
-        let cached = self
-            .inner
+        match self.cached_definition(name, version) {
+            Some(wf) => Ok(wf),
+            None => Ok(self.cache(workflows::load(conn, name, Some(version)).await?)),
+        }
+    }
+
+    /// The definition of `name` at `version` if this process has seen it.
+    pub(crate) fn cached_definition(&self, name: &str, version: i32) -> Option<Arc<Workflow>> {
+        self.inner
             .definitions
             .read()
             .expect("definition cache poisoned")
             .get(&(name.to_owned(), version))
-            .cloned();
-        match cached {
-            Some(wf) => Ok(wf),
-            None => Ok(self.cache(workflows::load(conn, name, Some(version)).await?)),
-        }
+            .cloned()
     }
 
     /// Definitions never change once registered, so caching them is always safe.

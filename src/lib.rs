@@ -77,3 +77,8 @@ pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 pub use queue::{ClaimedTask, Outcome};
 pub use worker::{Worker, WorkerBuilder};
+
+/// The README's examples, compiled as doctests so that they cannot drift from the API.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

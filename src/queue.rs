@@ -192,11 +192,14 @@ impl Engine {
     /// # Cancel safety
     /// One transaction: dropped before the commit, nothing is recorded.
     pub async fn complete(&self, task: &ClaimedTask, output: Value) -> Result<Outcome> {
-        let mut conn = self.pool().acquire().await?;
-        let workflow = self
-            .definition(&mut conn, &task.workflow, task.workflow_version)
-            .await?;
-        drop(conn);
+        let workflow = match self.cached_definition(&task.workflow, task.workflow_version) {
+            Some(workflow) => workflow,
+            None => {
+                let mut conn = self.pool().acquire().await?;
+                self.definition(&mut conn, &task.workflow, task.workflow_version)
+                    .await?
+            }
+        };
         let next_is_map = matches!(
             workflow
                 .stages()
