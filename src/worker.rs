@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::{sleep, Instant};
@@ -314,7 +314,14 @@ async fn run(state: Arc<State>) {
 async fn listen(state: Arc<State>) {
     loop {
         let result = async {
-            let mut listener = PgListener::connect_with(state.engine.pool()).await?;
+            // A connection of its own, so that listening never takes a slot of the pool.
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .max_lifetime(None)
+                .idle_timeout(None)
+                .connect_with((*state.engine.pool().connect_options()).clone())
+                .await?;
+            let mut listener = PgListener::connect_with(&pool).await?;
             listener.listen(store::TASKS_CHANNEL).await?;
             loop {
                 listener.recv().await?;

@@ -34,6 +34,8 @@ async fn claim_all(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
         );
         claimed.extend(batch);
     }
+    // A claim returns its batch in no particular order.
+    claimed.sort_by_key(|t| (t.stage_index, t.item_index));
     claimed
 }
 

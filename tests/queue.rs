@@ -375,3 +375,34 @@ async fn migrating_a_fresh_database_from_several_processes_at_once() {
         .unwrap();
     db.engine.start("after", &1).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_error_skips_the_remaining_attempts() {
+    let db = TestDb::new(5).await;
+    db.engine
+        .register(
+            &Workflow::new("perm", 1)
+                .stage(Stage::map("m").retry(RetryPolicy::exponential(5)))
+                .step("after"),
+        )
+        .await
+        .unwrap();
+    let id = db.engine.start("perm", &[1]).await.unwrap();
+    let task = db
+        .engine
+        .claim("w", 1, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(task.attempt, 1);
+    assert_eq!(
+        db.engine
+            .fail(&task, "malformed order", true)
+            .await
+            .unwrap(),
+        Outcome::DeadLettered { fired: true }
+    );
+    let exec = db.engine.execution(id).await.unwrap();
+    assert_eq!((exec.stages[0].dead, exec.stages.len()), (1, 2));
+    assert_eq!(exec.dead_letters[0].attempts, 1);
+}

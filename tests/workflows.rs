@@ -518,3 +518,83 @@ async fn graceful_shutdown_releases_what_outlives_the_grace_period() {
         "released, attempt not counted"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn notifications_wake_idle_workers_without_waiting_for_the_poll() {
+    let db = TestDb::new(10).await;
+    db.engine
+        .register(
+            &Workflow::new("wake", 1)
+                .step("a")
+                .parallel("p", ["b", "c"])
+                .step("d"),
+        )
+        .await
+        .unwrap();
+    // Polling alone would take a minute per stage: only LISTEN/NOTIFY can finish in time.
+    let worker = db
+        .engine
+        .worker()
+        .poll_interval(Duration::from_secs(60))
+        .handler("wake", "a", |_| async { Ok::<_, TaskError>(1) })
+        .handler("wake", "b", |_| async { Ok::<_, TaskError>(2) })
+        .handler("wake", "c", |_| async { Ok::<_, TaskError>(3) })
+        .handler("wake", "d", |t| async move {
+            Ok::<_, TaskError>(t.input().clone())
+        })
+        .start()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // let it go idle, listening
+    let id = db.engine.start("wake", &0).await.unwrap();
+    let done = db.engine.wait(id, Duration::from_secs(30)).await.unwrap();
+    worker.shutdown().await;
+    assert_eq!(
+        done.output,
+        Some(json!({"outputs": {"b": 2, "c": 3}, "failed": []}))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_connections_lose_no_task() {
+    let db = TestDb::new(10).await;
+    db.engine
+        .register(&Workflow::new("kill", 1).map("item").step("count"))
+        .await
+        .unwrap();
+    let worker_engine = Engine::new(db.new_pool(6).await);
+    let worker = quick_worker(&worker_engine, |w| {
+        w.lease(Duration::from_secs(2))
+            .handler("kill", "item", |t| async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok::<_, TaskError>(t.item_index())
+            })
+            .handler("kill", "count", |t| async move {
+                let r: MapResults<u32> = t.input_as()?;
+                Ok::<_, TaskError>(r.outputs.len())
+            })
+    })
+    .await;
+    let id = db.engine.start("kill", &vec![0; 1500]).await.unwrap();
+    // Terminate every backend of the worker's pool and listener, repeatedly, mid-run.
+    let mut killer = db.connection().await;
+    let mut killed = 0;
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        killed += sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()
+                AND backend_type = 'client backend'",
+        )
+        .fetch_all(&mut killer)
+        .await
+        .unwrap()
+        .len();
+    }
+    assert!(killed >= 6, "only {killed} backends were terminated");
+    let done = db.engine.wait(id, WAIT).await.unwrap();
+    worker.shutdown().await;
+    assert_eq!(done.status, ExecutionStatus::Completed, "{:?}", done.error);
+    assert_eq!(done.output, Some(json!(1500)));
+    assert_eq!(done.stages[0].completed, 1500);
+}
