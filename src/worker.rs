@@ -45,6 +45,12 @@ use crate::store::{self, tasks::KEY_SEPARATOR, workflows};
 pub struct WorkerBuilder {
     engine: Engine,
     handlers: HashMap<(String, String), Arc<dyn Handler>>,
+    settings: Settings,
+}
+
+/// A worker's tunables, as set on its builder.
+#[derive(Clone, Debug)]
+struct Settings {
     id: String,
     concurrency: usize,
     batch_size: usize,
@@ -56,9 +62,8 @@ pub struct WorkerBuilder {
 impl fmt::Debug for WorkerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("WorkerBuilder")
-            .field("id", &self.id)
             .field("handlers", &self.handlers.keys().collect::<Vec<_>>())
-            .field("concurrency", &self.concurrency)
+            .field("settings", &self.settings)
             .finish_non_exhaustive()
     }
 }
@@ -68,12 +73,14 @@ impl WorkerBuilder {
         WorkerBuilder {
             engine,
             handlers: HashMap::new(),
-            id: format!("worker-{}", uuid::Uuid::new_v4()),
-            concurrency: 10,
-            batch_size: 10,
-            poll_interval: Duration::from_millis(500),
-            lease: Duration::from_secs(30),
-            grace: Duration::from_secs(10),
+            settings: Settings {
+                id: format!("worker-{}", uuid::Uuid::new_v4()),
+                concurrency: 10,
+                batch_size: 10,
+                poll_interval: Duration::from_millis(500),
+                lease: Duration::from_secs(30),
+                grace: Duration::from_secs(10),
+            },
         }
     }
 
@@ -97,21 +104,21 @@ impl WorkerBuilder {
 
     /// Names this worker in the task rows it claims (default: `worker-<uuid>`).
     pub fn id(mut self, id: impl Into<String>) -> Self {
-        self.id = id.into();
+        self.settings.id = id.into();
         self
     }
 
     /// How many handlers run at once (default 10). Each running handler holds no
     /// database connection, so this can exceed the pool size.
     pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.settings.concurrency = n.max(1);
         self
     }
 
     /// How many tasks one claim statement takes at most (default 10): larger batches
     /// mean fewer round trips under load.
     pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n.max(1);
+        self.settings.batch_size = n.max(1);
         self
     }
 
@@ -119,7 +126,7 @@ impl WorkerBuilder {
     /// notifications wake it at once, polling covers retries coming due and lost
     /// notifications.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = interval;
+        self.settings.poll_interval = interval;
         self
     }
 
@@ -127,14 +134,14 @@ impl WorkerBuilder {
     /// of it while the handler runs; after a crash, the task is reclaimed this long after
     /// the last renewal.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(Duration::from_millis(100));
+        self.settings.lease = lease.max(Duration::from_millis(100));
         self
     }
 
     /// How long [`Worker::shutdown`] lets running handlers finish before it stops them and
     /// releases their tasks (default 10 s).
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
-        self.grace = grace;
+        self.settings.grace = grace;
         self
     }
 
@@ -174,19 +181,14 @@ impl WorkerBuilder {
             engine: self.engine,
             handlers: self.handlers,
             keys,
-            id: self.id.clone(),
-            concurrency: self.concurrency,
-            batch_size: self.batch_size,
-            poll_interval: self.poll_interval,
-            lease: self.lease,
-            grace: self.grace,
+            settings: self.settings.clone(),
             shutdown: shutdown.clone(),
             hard_stop: CancellationToken::new(),
             wake: Notify::new(),
         });
         let handle = tokio::spawn(run(state));
         Ok(Worker {
-            id: self.id,
+            id: self.settings.id,
             shutdown,
             handle,
         })
@@ -222,12 +224,7 @@ struct State {
     engine: Engine,
     handlers: HashMap<(String, String), Arc<dyn Handler>>,
     keys: Vec<String>,
-    id: String,
-    concurrency: usize,
-    batch_size: usize,
-    poll_interval: Duration,
-    lease: Duration,
-    grace: Duration,
+    settings: Settings,
     shutdown: CancellationToken,
     hard_stop: CancellationToken,
     wake: Notify,
@@ -235,7 +232,7 @@ struct State {
 
 async fn run(state: Arc<State>) {
     let listener = tokio::spawn(listen(state.clone()));
-    let slots = Arc::new(Semaphore::new(state.concurrency));
+    let slots = Arc::new(Semaphore::new(state.settings.concurrency));
     let mut running = JoinSet::new();
     let mut next_reclaim = Instant::now();
     let mut claim_errors = 0u32;
@@ -245,14 +242,19 @@ async fn run(state: Arc<State>) {
             if let Err(error) = state.engine.reclaim_expired(100).await {
                 tracing::warn!(%error, "reclaiming expired leases failed");
             }
-            next_reclaim = Instant::now() + (state.lease / 2).min(Duration::from_secs(5));
+            next_reclaim = Instant::now() + (state.settings.lease / 2).min(Duration::from_secs(5));
         }
-        let free = slots.available_permits().min(state.batch_size);
+        let free = slots.available_permits().min(state.settings.batch_size);
         let mut claimed = 0;
         if free > 0 {
             match state
                 .engine
-                .claim_matching(&state.id, free, state.lease, Some(&state.keys))
+                .claim_matching(
+                    &state.settings.id,
+                    free,
+                    state.settings.lease,
+                    Some(&state.keys),
+                )
                 .await
             {
                 Ok(tasks) => {
@@ -284,9 +286,9 @@ async fn run(state: Arc<State>) {
             continue; // more may be waiting
         }
         let pause = if claim_errors > 0 {
-            (state.poll_interval * claim_errors).min(Duration::from_secs(5))
+            (state.settings.poll_interval * claim_errors).min(Duration::from_secs(5))
         } else {
-            state.poll_interval
+            state.settings.poll_interval
         };
         tokio::select! {
             _ = state.shutdown.cancelled() => {}
@@ -296,7 +298,7 @@ async fn run(state: Arc<State>) {
         }
     }
     listener.abort();
-    let deadline = sleep(state.grace);
+    let deadline = sleep(state.settings.grace);
     tokio::pin!(deadline);
     loop {
         tokio::select! {
@@ -395,7 +397,7 @@ async fn run_task(state: Arc<State>, task: ClaimedTask, _slot: OwnedSemaphorePer
     let mut call = tokio::spawn(handler.call(context));
     let timeout = sleep(task.timeout);
     tokio::pin!(timeout);
-    let mut renew = tokio::time::interval(state.lease / 3);
+    let mut renew = tokio::time::interval(state.settings.lease / 3);
     renew.tick().await;
     let ending = loop {
         tokio::select! {
@@ -412,7 +414,7 @@ async fn run_task(state: Arc<State>, task: ClaimedTask, _slot: OwnedSemaphorePer
                 call.abort();
                 break Ending::Stopped;
             }
-            _ = renew.tick() => match state.engine.renew_lease(&task, state.lease).await {
+            _ = renew.tick() => match state.engine.renew_lease(&task, state.settings.lease).await {
                 Ok(Some(ExecutionStatus::Running)) => {}
                 Ok(Some(_)) => cancellation.cancel(),
                 Ok(None) => {
