@@ -16,7 +16,7 @@ async fn wide(db: &TestDb, retry: RetryPolicy) -> Workflow {
     let wf = Workflow::new("wide", 1)
         .stage(Stage::map("member").retry(retry))
         .step("after");
-    db.engine.register(&wf).await.unwrap();
+    db.register(&wf).await;
     wf
 }
 

@@ -16,10 +16,7 @@ use tokio::sync::Barrier;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_claims_never_hand_out_a_task_twice() {
     let db = TestDb::new(12).await;
-    db.engine
-        .register(&Workflow::new("m", 1).map("x"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("m", 1).map("x")).await;
     db.engine.start("m", &vec![0; 400]).await.unwrap();
     let barrier = Arc::new(Barrier::new(8));
     let mut handles = Vec::new();
@@ -52,16 +49,12 @@ async fn concurrent_claims_never_hand_out_a_task_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_by_priority_then_due_time_and_skips_tasks_in_backoff() {
     let db = TestDb::new(5).await;
-    db.engine
-        .register(&Workflow::new("low", 1).stage(Stage::step("low").retry(
-            RetryPolicy::exponential(3).backoff(Duration::from_secs(60), Duration::from_secs(60)),
-        )))
-        .await
-        .unwrap();
-    db.engine
-        .register(&Workflow::new("high", 1).stage(Stage::step("high").priority(10)))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("low", 1).stage(Stage::step("low").retry(
+        RetryPolicy::exponential(3).backoff(Duration::from_secs(60), Duration::from_secs(60)),
+    )))
+    .await;
+    db.register(&Workflow::new("high", 1).stage(Stage::step("high").priority(10)))
+        .await;
     db.engine.start("low", &1).await.unwrap();
     db.engine.start("high", &2).await.unwrap();
     let first = db
@@ -109,15 +102,13 @@ async fn claims_by_priority_then_due_time_and_skips_tasks_in_backoff() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_that_keeps_killing_its_worker_ends_dead_lettered() {
     let db = TestDb::new(5).await;
-    db.engine
-        .register(
-            &Workflow::new("killer", 1).stage(
-                Stage::step("crash")
-                    .retry(RetryPolicy::exponential(3).backoff(Duration::ZERO, Duration::ZERO)),
-            ),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("killer", 1).stage(
+            Stage::step("crash")
+                .retry(RetryPolicy::exponential(3).backoff(Duration::ZERO, Duration::ZERO)),
+        ),
+    )
+    .await;
     let id = db.engine.start("killer", &json!({})).await.unwrap();
     for attempt in 1..=3 {
         // The worker claims it and dies: nobody renews the lease.
@@ -148,10 +139,7 @@ async fn a_task_that_keeps_killing_its_worker_ends_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_lease_is_not_reclaimed() {
     let db = TestDb::new(5).await;
-    db.engine
-        .register(&Workflow::new("r", 1).step("s"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("r", 1).step("s")).await;
     db.engine.start("r", &1).await.unwrap();
     let task = db
         .engine
@@ -186,10 +174,7 @@ async fn a_renewed_lease_is_not_reclaimed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn racing_starts_with_one_idempotency_key_start_one_execution() {
     let db = TestDb::new(12).await;
-    db.engine
-        .register(&Workflow::new("once", 1).step("s"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("once", 1).step("s")).await;
     let barrier = Arc::new(Barrier::new(10));
     let mut handles = Vec::new();
     for _ in 0..10 {
@@ -245,8 +230,8 @@ async fn registration_rejects_bad_definitions_and_conflicts_and_pins_versions() 
     assert!(err.to_string().contains("used twice"), "{err}");
 
     let v1 = Workflow::new("pinned", 1).step("a");
-    db.engine.register(&v1).await.unwrap();
-    db.engine.register(&v1).await.unwrap(); // identical: a no-op
+    db.register(&v1).await;
+    db.register(&v1).await; // identical: a no-op
     let err = db
         .engine
         .register(&Workflow::new("pinned", 1).step("b"))
@@ -258,10 +243,8 @@ async fn registration_rejects_bad_definitions_and_conflicts_and_pins_versions() 
     );
 
     let old = db.engine.start("pinned", &0).await.unwrap();
-    db.engine
-        .register(&Workflow::new("pinned", 2).step("a").step("b"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("pinned", 2).step("a").step("b"))
+        .await;
     let new = db.engine.start("pinned", &0).await.unwrap();
     assert_eq!(db.engine.execution(old).await.unwrap().version, 1);
     assert_eq!(db.engine.execution(new).await.unwrap().version, 2);
@@ -274,10 +257,7 @@ async fn registration_rejects_bad_definitions_and_conflicts_and_pins_versions() 
 
     let err = db.engine.start("nope", &0).await.unwrap_err();
     assert!(err.is_not_found(), "{err}");
-    db.engine
-        .register(&Workflow::new("mapfirst", 1).map("m"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("mapfirst", 1).map("m")).await;
     let err = db
         .engine
         .start("mapfirst", &json!({"not": "array"}))
@@ -289,14 +269,12 @@ async fn registration_rejects_bad_definitions_and_conflicts_and_pins_versions() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_without_every_handler_refuses_to_start() {
     let db = TestDb::new(5).await;
-    db.engine
-        .register(
-            &Workflow::new("orders", 1)
-                .step("a")
-                .parallel("p", ["b", "c"]),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("orders", 1)
+            .step("a")
+            .parallel("p", ["b", "c"]),
+    )
+    .await;
     let err = db
         .engine
         .worker()
@@ -369,24 +347,19 @@ async fn migrating_a_fresh_database_from_several_processes_at_once() {
     for h in handles {
         h.await.unwrap().unwrap();
     }
-    db.engine
-        .register(&Workflow::new("after", 1).step("s"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("after", 1).step("s")).await;
     db.engine.start("after", &1).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permanent_error_skips_the_remaining_attempts() {
     let db = TestDb::new(5).await;
-    db.engine
-        .register(
-            &Workflow::new("perm", 1)
-                .stage(Stage::map("m").retry(RetryPolicy::exponential(5)))
-                .step("after"),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("perm", 1)
+            .stage(Stage::map("m").retry(RetryPolicy::exponential(5)))
+            .step("after"),
+    )
+    .await;
     let id = db.engine.start("perm", &[1]).await.unwrap();
     let task = db
         .engine

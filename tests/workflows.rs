@@ -37,10 +37,8 @@ async fn quick_worker(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_steps_pass_outputs_in_order() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(&Workflow::new("chain", 1).step("a").step("b").step("c"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("chain", 1).step("a").step("b").step("c"))
+        .await;
     let worker = quick_worker(&db.engine, |w| {
         w.handler("chain", "a", |t| async move {
             Ok::<_, TaskError>(t.input_as::<i64>()? + 1)
@@ -68,15 +66,13 @@ async fn three_steps_pass_outputs_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn map_of_width_zero_advances_at_once() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(
-            &Workflow::new("empty", 1)
-                .step("list")
-                .map("each")
-                .step("total"),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("empty", 1)
+            .step("list")
+            .map("each")
+            .step("total"),
+    )
+    .await;
     let seen = Arc::new(AtomicU32::new(0));
     let seen2 = seen.clone();
     let worker = quick_worker(&db.engine, move |w| {
@@ -104,10 +100,7 @@ async fn map_of_width_zero_advances_at_once() {
     assert!(map.fired_at.is_some());
 
     // A map over an empty execution input, as the last stage, completes at start.
-    db.engine
-        .register(&Workflow::new("only-map", 1).map("m"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("only-map", 1).map("m")).await;
     let id = db.engine.start("only-map", &json!([])).await.unwrap();
     let done = db.engine.execution(id).await.unwrap();
     assert_eq!(done.status, ExecutionStatus::Completed);
@@ -117,10 +110,8 @@ async fn map_of_width_zero_advances_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn retry_then_success() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(&Workflow::new("flaky", 1).stage(Stage::step("try").retry(fast_retry(5))))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("flaky", 1).stage(Stage::step("try").retry(fast_retry(5))))
+        .await;
     let worker = quick_worker(&db.engine, |w| {
         w.handler("flaky", "try", |t| async move {
             if t.attempt() < 3 {
@@ -152,14 +143,12 @@ async fn retry_then_success() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exhausted_step_fails_the_execution_with_every_error() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(
-            &Workflow::new("doomed", 1)
-                .stage(Stage::step("charge").retry(fast_retry(3)))
-                .step("never"),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("doomed", 1)
+            .stage(Stage::step("charge").retry(fast_retry(3)))
+            .step("never"),
+    )
+    .await;
     let worker = quick_worker(&db.engine, |w| {
         w.handler("doomed", "charge", |t| async move {
             Err::<Value, _>(TaskError::retryable(format!(
@@ -201,16 +190,12 @@ async fn exhausted_step_fails_the_execution_with_every_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exhausted_parallel_member_passes_partial_results_on() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(
-            &Workflow::new("checks", 1)
-                .stage(
-                    Stage::parallel("verify", ["fraud", "stock", "address"]).retry(fast_retry(2)),
-                )
-                .step("decide"),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("checks", 1)
+            .stage(Stage::parallel("verify", ["fraud", "stock", "address"]).retry(fast_retry(2)))
+            .step("decide"),
+    )
+    .await;
     let worker = quick_worker(&db.engine, |w| {
         w.handler("checks", "fraud", |_| async { Ok::<_, TaskError>(json!("clean")) })
             .handler("checks", "stock", |_| async { Err::<Value, _>(TaskError::retryable("warehouse down")) })
@@ -242,18 +227,16 @@ async fn exhausted_parallel_member_passes_partial_results_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn failing_member_can_fail_the_execution_and_cancel_pending_siblings() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(
-            &Workflow::new("strict", 1)
-                .stage(
-                    Stage::map("item")
-                        .retry(RetryPolicy::none())
-                        .fail_execution_on_member_failure(),
-                )
-                .step("after"),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("strict", 1)
+            .stage(
+                Stage::map("item")
+                    .retry(RetryPolicy::none())
+                    .fail_execution_on_member_failure(),
+            )
+            .step("after"),
+    )
+    .await;
     let id = db.engine.start("strict", &[1, 2, 3, 4]).await.unwrap();
     let first = db
         .engine
@@ -294,15 +277,13 @@ async fn failing_member_can_fail_the_execution_and_cancel_pending_siblings() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn wide_map_of_10_000_end_to_end() {
     let db = TestDb::new(20).await;
-    db.engine
-        .register(
-            &Workflow::new("wide", 1)
-                .step("split")
-                .map("square")
-                .step("sum"),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("wide", 1)
+            .step("split")
+            .map("square")
+            .step("sum"),
+    )
+    .await;
     let worker = quick_worker(&db.engine, |w| {
         w.batch_size(100)
             .concurrency(64)
@@ -335,10 +316,8 @@ async fn wide_map_of_10_000_end_to_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn several_workers_with_separate_pools_share_the_work() {
     let db = TestDb::new(5).await;
-    db.engine
-        .register(&Workflow::new("shared", 1).map("work").step("join"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("shared", 1).map("work").step("join"))
+        .await;
     let mut workers = Vec::new();
     for i in 0..3 {
         let engine = Engine::new(db.new_pool(5).await);
@@ -390,18 +369,16 @@ async fn several_workers_with_separate_pools_share_the_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn panics_garbage_and_timeouts_are_failed_attempts_not_dead_workers() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(
-            &Workflow::new("rough", 1)
-                .stage(Stage::step("produce").retry(fast_retry(4)))
-                .stage(
-                    Stage::map("consume")
-                        .retry(fast_retry(3))
-                        .timeout(Duration::from_millis(200)),
-                ),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("rough", 1)
+            .stage(Stage::step("produce").retry(fast_retry(4)))
+            .stage(
+                Stage::map("consume")
+                    .retry(fast_retry(3))
+                    .timeout(Duration::from_millis(200)),
+            ),
+    )
+    .await;
     let worker = quick_worker(&db.engine, |w| {
         w.handler("rough", "produce", |t| async move {
             match t.attempt() {
@@ -447,10 +424,8 @@ async fn panics_garbage_and_timeouts_are_failed_attempts_not_dead_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancelling_stops_queued_work_and_dispatches_nothing() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(&Workflow::new("cancel", 1).map("item").step("after"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("cancel", 1).map("item").step("after"))
+        .await;
     let id = db.engine.start("cancel", &[1, 2, 3]).await.unwrap();
     let running = db
         .engine
@@ -486,10 +461,7 @@ async fn cancelling_stops_queued_work_and_dispatches_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn graceful_shutdown_releases_what_outlives_the_grace_period() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(&Workflow::new("slow", 1).step("sleep"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("slow", 1).step("sleep")).await;
     let worker = quick_worker(&db.engine, |w| {
         w.shutdown_grace(Duration::from_millis(200))
             .handler("slow", "sleep", |_| async {
@@ -522,15 +494,13 @@ async fn graceful_shutdown_releases_what_outlives_the_grace_period() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn notifications_wake_idle_workers_without_waiting_for_the_poll() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(
-            &Workflow::new("wake", 1)
-                .step("a")
-                .parallel("p", ["b", "c"])
-                .step("d"),
-        )
-        .await
-        .unwrap();
+    db.register(
+        &Workflow::new("wake", 1)
+            .step("a")
+            .parallel("p", ["b", "c"])
+            .step("d"),
+    )
+    .await;
     // Polling alone would take a minute per stage: only LISTEN/NOTIFY can finish in time.
     let worker = db
         .engine
@@ -558,10 +528,8 @@ async fn notifications_wake_idle_workers_without_waiting_for_the_poll() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn killed_connections_lose_no_task() {
     let db = TestDb::new(10).await;
-    db.engine
-        .register(&Workflow::new("kill", 1).map("item").step("count"))
-        .await
-        .unwrap();
+    db.register(&Workflow::new("kill", 1).map("item").step("count"))
+        .await;
     let worker_engine = Engine::new(db.new_pool(6).await);
     let worker = quick_worker(&worker_engine, |w| {
         w.lease(Duration::from_secs(2))

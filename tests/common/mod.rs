@@ -55,6 +55,14 @@ impl TestDb {
         }
     }
 
+    /// Registers a workflow, failing the test if it is rejected.
+    pub async fn register(&self, workflow: &confluo::Workflow) {
+        self.engine
+            .register(workflow)
+            .await
+            .expect("register the workflow");
+    }
+
     /// Another pool on the same database (a "separate process").
     pub async fn new_pool(&self, max_connections: u32) -> PgPool {
         PgPoolOptions::new()
