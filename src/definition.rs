@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::fanin::FanInStrategy;
+
 /// An ordered list of stages under a name and a version.
 ///
 /// ```
@@ -43,6 +45,8 @@ pub struct Stage {
     timeout_ms: u64,
     #[serde(default)]
     priority: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fan_in: Option<FanInStrategy>,
 }
 
 /// What a stage runs.
@@ -165,6 +169,7 @@ impl Stage {
             on_member_failure: OnMemberFailure::default(),
             timeout_ms: default_timeout_ms(),
             priority: 0,
+            fan_in: None,
         }
     }
 
@@ -207,6 +212,13 @@ impl Stage {
         self
     }
 
+    /// Decides this stage's fan-in with `strategy`, whatever the engine's default
+    /// ([`EngineBuilder::fan_in`](crate::EngineBuilder::fan_in)).
+    pub fn fan_in(mut self, strategy: FanInStrategy) -> Self {
+        self.fan_in = Some(strategy);
+        self
+    }
+
     /// Fail the whole execution as soon as one member is dead-lettered, instead of passing
     /// partial results on.
     pub fn fail_execution_on_member_failure(mut self) -> Self {
@@ -232,6 +244,11 @@ impl Stage {
     /// The per-attempt handler timeout.
     pub fn attempt_timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
+    }
+
+    /// The fan-in strategy chosen for this stage, if any (else the engine's default).
+    pub fn fan_in_strategy(&self) -> Option<FanInStrategy> {
+        self.fan_in
     }
 
     /// The claim priority of its tasks.

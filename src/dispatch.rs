@@ -6,6 +6,7 @@ use sqlx::PgConnection;
 use crate::definition::{StageKind, Workflow};
 use crate::engine::Engine;
 use crate::error::Result;
+use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 use crate::store::{self, executions, groups, groups::MemberSource};
 
@@ -19,14 +20,19 @@ pub(crate) async fn fire(
     group_id: GroupId,
     stage_index: i32,
 ) -> Result<bool> {
-    let Some((status, name, version)) = executions::lock_for_transition(conn, execution_id).await?
-    else {
+    let Some(execution) = executions::lock_for_transition(conn, execution_id).await? else {
         return Ok(false);
     };
-    if status != "running" || !groups::mark_fired(conn, group_id).await? {
+    if execution.status != "running" || !groups::mark_fired(conn, group_id).await? {
         return Ok(false);
     }
-    let workflow = engine.definition(&mut *conn, &name, version).await?;
+    let workflow = engine
+        .definition(
+            &mut *conn,
+            &execution.workflow_name,
+            execution.workflow_version,
+        )
+        .await?;
     let index = stage_index as usize;
     let kind = workflow.stages()[index].kind().as_str();
     enter(
@@ -35,20 +41,23 @@ pub(crate) async fn fire(
         &workflow,
         index + 1,
         Some((group_id, kind)),
+        execution.fan_in.parse()?,
     )
     .await?;
     Ok(true)
 }
 
 /// Enters stage `index`, fed by `previous` (its group and kind; `None` for the first
-/// stage). An empty map fires at once and the next stage is entered in the same
-/// transaction; past the last stage the execution completes.
+/// stage). Its group uses the stage's fan-in strategy, else `default_fan_in`. An empty
+/// map fires at once and the next stage is entered in the same transaction; past the
+/// last stage the execution completes.
 pub(crate) async fn enter(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     workflow: &Workflow,
     mut index: usize,
     mut previous: Option<(GroupId, &'static str)>,
+    default_fan_in: FanInStrategy,
 ) -> Result<()> {
     loop {
         let Some(stage) = workflow.stages().get(index) else {
@@ -63,8 +72,17 @@ pub(crate) async fn enter(
             _ => MemberSource::Handlers,
         };
         let group_id = GroupId::new();
-        let width =
-            groups::create_stage(conn, execution_id, group_id, workflow, index, source).await?;
+        let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
+        let width = groups::create_stage(
+            conn,
+            execution_id,
+            group_id,
+            workflow,
+            index,
+            source,
+            fan_in,
+        )
+        .await?;
         executions::set_stage(conn, execution_id, index as i32).await?;
         if width > 0 {
             return store::notify_tasks(conn).await;

@@ -80,8 +80,11 @@ pub struct EngineBuilder {
 }
 
 impl EngineBuilder {
-    /// The fan-in strategy used by completions made through this engine
-    /// (default [`FanInStrategy::Countdown`]).
+    /// The default fan-in strategy of executions started through this engine (default
+    /// [`FanInStrategy::Countdown`]). It is recorded on each execution, and each group
+    /// stores the strategy it was created with, so every worker decides a group the same
+    /// way whatever its own engine's default. A stage can override it with
+    /// [`Stage::fan_in`](crate::Stage::fan_in).
     pub fn fan_in(mut self, strategy: FanInStrategy) -> Self {
         self.fan_in = strategy;
         self
@@ -150,7 +153,7 @@ impl Engine {
         &self.inner.pool
     }
 
-    /// The fan-in strategy of this engine.
+    /// The default fan-in strategy of executions started through this engine.
     pub fn fan_in(&self) -> FanInStrategy {
         self.inner.fan_in
     }
@@ -241,10 +244,11 @@ impl Engine {
             definition.version(),
             &input,
             options.idempotency_key.as_deref(),
+            self.fan_in(),
         )
         .await?;
         if created {
-            dispatch::enter(conn, id, &definition, 0, None).await?;
+            dispatch::enter(conn, id, &definition, 0, None, self.fan_in()).await?;
             tracing::debug!(execution_id = %id, workflow, "execution started");
         }
         Ok(id)
@@ -302,7 +306,8 @@ impl Engine {
                     kind: s.kind,
                     group_id: s.id,
                     width: s.width as u32,
-                    remaining: s.remaining as u32,
+                    remaining: s.remaining.map_or(s.pending + s.running, i64::from) as u32,
+                    fan_in: s.fan_in.parse().ok(),
                     pending: s.pending as u32,
                     running: s.running as u32,
                     completed: s.completed as u32,

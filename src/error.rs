@@ -76,6 +76,11 @@ pub enum Error {
         reason: String,
     },
 
+    /// A group was created with a fan-in strategy this build does not know (e.g. `naive`,
+    /// without the `naive-fan-in` feature).
+    #[error(transparent)]
+    UnknownFanIn(#[from] crate::fanin::UnknownStrategy),
+
     /// Serializing an input or deserializing a stored value failed.
     #[error("JSON (de)serialization failed: {0}")]
     Json(#[from] serde_json::Error),

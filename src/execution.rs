@@ -105,8 +105,12 @@ pub struct StageProgress {
     pub group_id: GroupId,
     /// Members in all.
     pub width: u32,
-    /// The countdown: members not yet terminal.
+    /// Members not yet terminal: the group's countdown for counting strategies, else
+    /// counted from the members.
     pub remaining: u32,
+    /// The fan-in strategy the group was created with (`None` if this build does not
+    /// know it).
+    pub fan_in: Option<crate::FanInStrategy>,
     /// Members waiting to be claimed (including retries in backoff).
     pub pending: u32,
     /// Members running now.

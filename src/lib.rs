@@ -72,7 +72,7 @@ pub use execution::{
     AttemptError, DeadLetter, Execution, ExecutionStatus, MapResults, MemberFailure,
     ParallelResults, StageProgress,
 };
-pub use fanin::FanInStrategy;
+pub use fanin::{FanInStrategy, UnknownStrategy};
 pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 pub use queue::{ClaimedTask, Outcome};

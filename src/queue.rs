@@ -14,6 +14,7 @@ use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::execution::ExecutionStatus;
+use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::store::{executions, groups, tasks};
 
@@ -47,6 +48,8 @@ pub struct ClaimedTask {
     pub lease_expires_at: DateTime<Utc>,
     /// The stage's per-attempt timeout.
     pub timeout: Duration,
+    /// The fan-in strategy of its group, which decides its arrival.
+    pub fan_in: FanInStrategy,
     pub(crate) input: Option<Value>,
     pub(crate) execution_status: ExecutionStatus,
 }
@@ -115,26 +118,28 @@ impl Engine {
             handler_keys,
         )
         .await?;
-        Ok(rows
-            .into_iter()
-            .map(|r| ClaimedTask {
-                id: r.id,
-                execution_id: r.execution_id,
-                group_id: r.group_id,
-                workflow: r.workflow_name,
-                workflow_version: r.workflow_version,
-                stage_index: r.stage_index as usize,
-                handler: r.handler,
-                item_index: r.item_index as u32,
-                attempt: r.attempt as u32,
-                max_attempts: r.max_attempts as u32,
-                lease: r.lease_token,
-                lease_expires_at: r.lease_expires_at,
-                timeout: Duration::from_millis(r.timeout_ms.max(0) as u64),
-                input: r.input.map(|j| j.0),
-                execution_status: ExecutionStatus::parse(&r.execution_status),
+        rows.into_iter()
+            .map(|r| {
+                Ok(ClaimedTask {
+                    id: r.id,
+                    execution_id: r.execution_id,
+                    group_id: r.group_id,
+                    workflow: r.workflow_name,
+                    workflow_version: r.workflow_version,
+                    stage_index: r.stage_index as usize,
+                    handler: r.handler,
+                    item_index: r.item_index as u32,
+                    attempt: r.attempt as u32,
+                    max_attempts: r.max_attempts as u32,
+                    lease: r.lease_token,
+                    lease_expires_at: r.lease_expires_at,
+                    timeout: Duration::from_millis(r.timeout_ms.max(0) as u64),
+                    input: r.input.map(|j| j.0),
+                    execution_status: ExecutionStatus::parse(&r.execution_status),
+                    fan_in: r.fan_in.parse()?,
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// The input of a claimed task: its map element, or the stage input read by reference
@@ -230,15 +235,15 @@ impl Engine {
 
     async fn complete_once(&self, task: &ClaimedTask, output: &Value) -> Result<Outcome> {
         let mut tx = self.pool().begin().await?;
-        let arrival = self
-            .fan_in()
+        let arrival = task
+            .fan_in
             .complete(&mut tx, task.id, task.lease, output)
             .await?;
         let Some(arrival) = arrival else {
             drop(tx);
             return self.explain_no_match(task.id, task.lease).await;
         };
-        let fired = arrival.remaining == 0
+        let fired = arrival.last
             && dispatch::fire(
                 self,
                 &mut tx,
@@ -266,6 +271,7 @@ impl Engine {
             workflow: &task.workflow,
             workflow_version: task.workflow_version,
             stage_index: task.stage_index,
+            fan_in: task.fan_in,
             attempt: task.attempt,
             max_attempts: task.max_attempts,
         };
@@ -310,10 +316,9 @@ impl Engine {
             // Lock order: execution before group, as a cancel takes them.
             executions::lock_for_transition(&mut tx, a.execution_id).await?;
         }
-        let row = self
-            .fan_in()
-            .fail(&mut tx, a.id, a.lease, error, permanent, only_if_expired)
-            .await?;
+        let row =
+            tasks::fail_counting_down(&mut tx, a.id, a.lease, error, permanent, only_if_expired)
+                .await?;
         let Some(row) = row else {
             drop(tx);
             return self.explain_no_match(a.id, a.lease).await;
@@ -333,12 +338,13 @@ impl Engine {
                 Outcome::DeadLettered { fired: false }
             }
             _ => {
-                let fired = match (row.remaining, row.group_id, row.stage_index) {
-                    (Some(0), Some(group), Some(stage_index)) => {
-                        dispatch::fire(self, &mut tx, a.execution_id, group, stage_index).await?
-                    }
-                    _ => false,
-                };
+                let last = a
+                    .fan_in
+                    .after_terminal_failure(&mut tx, a.execution_id, row.group_id, row.remaining)
+                    .await?;
+                let fired = last
+                    && dispatch::fire(self, &mut tx, a.execution_id, row.group_id, row.stage_index)
+                        .await?;
                 Outcome::DeadLettered { fired }
             }
         };
@@ -383,6 +389,7 @@ impl Engine {
                 workflow: &row.workflow_name,
                 workflow_version: row.workflow_version,
                 stage_index: row.stage_index as usize,
+                fan_in: row.fan_in.parse()?,
                 attempt: row.attempt as u32,
                 max_attempts: row.max_attempts as u32,
             };
@@ -423,6 +430,7 @@ struct Attempt<'a> {
     workflow: &'a str,
     workflow_version: i32,
     stage_index: usize,
+    fan_in: FanInStrategy,
     attempt: u32,
     max_attempts: u32,
 }

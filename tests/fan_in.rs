@@ -7,17 +7,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::TestDb;
-use confluo::{ClaimedTask, Engine, Outcome, RetryPolicy, Stage, Workflow};
+use confluo::{ClaimedTask, Engine, FanInStrategy, Outcome, RetryPolicy, Stage, Workflow};
 use serde_json::json;
 use tokio::sync::Barrier;
 
-/// A map of `width` members followed by one step.
-async fn wide(db: &TestDb, retry: RetryPolicy) -> Workflow {
-    let wf = Workflow::new("wide", 1)
-        .stage(Stage::map("member").retry(retry))
+/// Every strategy that must keep the invariants; each test runs against all of them.
+const STRATEGIES: [FanInStrategy; 2] = [FanInStrategy::Countdown, FanInStrategy::RowLock];
+
+/// Registers a map (decided by `strategy`) followed by one step; returns its name.
+async fn wide(db: &TestDb, retry: RetryPolicy, strategy: FanInStrategy) -> String {
+    let name = format!("wide-{strategy}");
+    let wf = Workflow::new(&name, 1)
+        .stage(Stage::map("member").retry(retry).fan_in(strategy))
         .step("after");
     db.register(&wf).await;
-    wf
+    name
 }
 
 async fn claim_all(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
@@ -40,18 +44,27 @@ async fn claim_all(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
 }
 
 /// Counts what the database says happened after a group: groups of the next stage, its
-/// tasks, the group's counter and fired marker.
+/// tasks, the group's members not yet terminal, and its fired marker. Checks on the way
+/// that a counting group's counter equals its open members (invariant I2).
 async fn after_state(db: &TestDb, execution: confluo::ExecutionId) -> (i64, i64, i32, bool) {
-    sqlx::query_as(
-        "SELECT (SELECT count(*) FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = 1),
-                (SELECT count(*) FROM confluo.task WHERE execution_id = $1 AND stage_index = 1),
-                g.remaining, g.fired_at IS NOT NULL
-           FROM confluo.stage_group g WHERE g.execution_id = $1 AND g.stage_index = 0",
-    )
-    .bind(execution)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap()
+    let (groups, next_tasks, counter, open, marked): (i64, i64, Option<i32>, i32, bool) =
+        sqlx::query_as(
+            "SELECT (SELECT count(*) FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = 1),
+                    (SELECT count(*) FROM confluo.task WHERE execution_id = $1 AND stage_index = 1),
+                    g.remaining,
+                    (SELECT count(*)::int FROM confluo.task
+                      WHERE group_id = g.id AND status IN ('pending', 'running')),
+                    g.fired_at IS NOT NULL
+               FROM confluo.stage_group g WHERE g.execution_id = $1 AND g.stage_index = 0",
+        )
+        .bind(execution)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    if let Some(counter) = counter {
+        assert_eq!(counter, open, "the countdown disagrees with the members");
+    }
+    (groups, next_tasks, open, marked)
 }
 
 /// Completes every claimed task from `finishers` concurrent connections released together
@@ -91,12 +104,18 @@ async fn finish_together(
 }
 
 async fn simultaneous_finish(width: usize, rounds: usize) {
+    for strategy in STRATEGIES {
+        simultaneous_finish_with(width, rounds, strategy).await;
+    }
+}
+
+async fn simultaneous_finish_with(width: usize, rounds: usize, strategy: FanInStrategy) {
     let finishers = width.min(40);
     let db = TestDb::new(finishers as u32 + 2).await;
-    wide(&db, RetryPolicy::default()).await;
+    let wf = wide(&db, RetryPolicy::default(), strategy).await;
     for round in 0..rounds {
         let input: Vec<usize> = (0..width).collect();
-        let id = db.engine.start("wide", &input).await.unwrap();
+        let id = db.engine.start(&wf, &input).await.unwrap();
         let tasks = claim_all(&db.engine, width).await;
         assert_eq!(tasks.len(), width);
         let outcomes = finish_together(&db.engine, tasks, finishers).await;
@@ -148,9 +167,15 @@ async fn simultaneous_finish_width_500_fires_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replays_and_duplicates_decrement_nothing() {
+    for strategy in STRATEGIES {
+        replays_and_duplicates_decrement_nothing_with(strategy).await;
+    }
+}
+
+async fn replays_and_duplicates_decrement_nothing_with(strategy: FanInStrategy) {
     let db = TestDb::new(20).await;
-    wide(&db, RetryPolicy::default()).await;
-    let id = db.engine.start("wide", &[1, 2, 3]).await.unwrap();
+    let wf = wide(&db, RetryPolicy::default(), strategy).await;
+    let id = db.engine.start(&wf, &[1, 2, 3]).await.unwrap();
     let tasks = claim_all(&db.engine, 3).await;
 
     // The first member's acknowledgement is delivered three times, concurrently.
@@ -205,13 +230,20 @@ async fn replays_and_duplicates_decrement_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn zombie_after_reclaimed_lease_changes_nothing() {
+    for strategy in STRATEGIES {
+        zombie_after_reclaimed_lease_changes_nothing_with(strategy).await;
+    }
+}
+
+async fn zombie_after_reclaimed_lease_changes_nothing_with(strategy: FanInStrategy) {
     let db = TestDb::new(10).await;
-    wide(
+    let wf = wide(
         &db,
         RetryPolicy::exponential(3).backoff(Duration::ZERO, Duration::ZERO),
+        strategy,
     )
     .await;
-    let id = db.engine.start("wide", &[1, 2]).await.unwrap();
+    let id = db.engine.start(&wf, &[1, 2]).await.unwrap();
     let short = db
         .engine
         .claim("zombie", 2, Duration::from_millis(200))
@@ -258,10 +290,16 @@ async fn zombie_after_reclaimed_lease_changes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn dead_letter_racing_a_sibling_completion_fires_once() {
+    for strategy in STRATEGIES {
+        dead_letter_racing_a_sibling_completion_fires_once_with(strategy).await;
+    }
+}
+
+async fn dead_letter_racing_a_sibling_completion_fires_once_with(strategy: FanInStrategy) {
     let db = TestDb::new(10).await;
-    wide(&db, RetryPolicy::none()).await;
+    let wf = wide(&db, RetryPolicy::none(), strategy).await;
     for round in 0..20 {
-        let id = db.engine.start("wide", &[1, 2]).await.unwrap();
+        let id = db.engine.start(&wf, &[1, 2]).await.unwrap();
         let tasks = claim_all(&db.engine, 2).await;
         let barrier = Arc::new(Barrier::new(2));
         let (e1, b1, t1) = (db.engine.clone(), barrier.clone(), tasks[0].clone());
@@ -295,4 +333,45 @@ async fn dead_letter_racing_a_sibling_completion_fires_once() {
         assert_eq!(input["failed"][0]["error"], json!("boom"));
         db.engine.complete(&after[0], json!(null)).await.unwrap();
     }
+}
+
+/// The bug made visible: the unlocked re-count leaves groups with every member completed
+/// and nothing dispatched, when members finish together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn naive_recount_stalls_under_simultaneous_finish() {
+    let db = TestDb::new(10).await;
+    let wf = wide(&db, RetryPolicy::default(), FanInStrategy::NaiveRecount).await;
+    let (mut stalls, mut rounds) = (0, 0);
+    while stalls == 0 && rounds < 200 {
+        rounds += 1;
+        let id = db.engine.start(&wf, &[1, 2]).await.unwrap();
+        let tasks = claim_all(&db.engine, 2).await;
+        let outcomes = finish_together(&db.engine, tasks, 2).await;
+        let fired = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Completed { fired: true }))
+            .count();
+        assert!(
+            fired <= 1,
+            "naive never double-fires while write and check share a transaction"
+        );
+        let (groups, next_tasks, open, marked) = after_state(&db, id).await;
+        if fired == 0 {
+            // Every member completed, nothing dispatched, nothing will ever look again.
+            assert_eq!((groups, next_tasks, open, marked), (0, 0, 0, false));
+            assert_eq!(
+                db.engine.status(id).await.unwrap(),
+                confluo::ExecutionStatus::Running
+            );
+            stalls += 1;
+        } else {
+            let after = claim_all(&db.engine, 1).await;
+            db.engine.complete(&after[0], json!(null)).await.unwrap();
+        }
+    }
+    eprintln!("naive re-count: first stall after {rounds} round(s)");
+    assert!(
+        stalls > 0,
+        "no stall in {rounds} rounds of simultaneous finish"
+    );
 }

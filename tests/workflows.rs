@@ -566,3 +566,64 @@ async fn killed_connections_lose_no_task() {
     assert_eq!(done.output, Some(json!(1500)));
     assert_eq!(done.stages[0].completed, 1500);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_engine_default_strategy_applies_to_every_group_and_is_stored_on_it() {
+    use confluo::FanInStrategy;
+    let db = TestDb::new(10).await;
+    // The engine's default is row-lock; one stage overrides it with the countdown.
+    let engine = Engine::builder(db.pool.clone())
+        .fan_in(FanInStrategy::RowLock)
+        .build();
+    engine
+        .register(
+            &Workflow::new("mixed", 1)
+                .stage(Stage::map("item").retry(RetryPolicy::none()))
+                .stage(Stage::parallel("p", ["x", "y"]).fan_in(FanInStrategy::Countdown))
+                .step("end"),
+        )
+        .await
+        .unwrap();
+    // Workers on the default engine decide each group as its row says, not as they would.
+    let worker = quick_worker(&db.engine, |w| {
+        w.handler("mixed", "item", |t| async move {
+            let n: i64 = t.input_as()?;
+            if n % 10 == 0 {
+                return Err(TaskError::permanent("multiple of ten"));
+            }
+            Ok(n)
+        })
+        .handler("mixed", "x", |t| async move {
+            let r: MapResults<i64> = t.input_as()?;
+            Ok::<_, TaskError>(r.outputs.iter().sum::<i64>())
+        })
+        .handler("mixed", "y", |t| async move {
+            let r: MapResults<i64> = t.input_as()?;
+            Ok::<_, TaskError>(r.failed.len())
+        })
+        .handler("mixed", "end", |t| async move {
+            Ok::<_, TaskError>(t.input()["outputs"].clone())
+        })
+    })
+    .await;
+    let input: Vec<i64> = (1..=100).collect();
+    let id = engine.start("mixed", &input).await.unwrap();
+    let done = db.engine.wait(id, WAIT).await.unwrap();
+    worker.shutdown().await;
+    assert_eq!(done.status, ExecutionStatus::Completed, "{:?}", done.error);
+    let expected: i64 = (1..=100).filter(|n| n % 10 != 0).sum();
+    assert_eq!(done.output, Some(json!({"x": expected, "y": 10})));
+    let strategies: Vec<_> = done.stages.iter().map(|s| s.fan_in).collect();
+    assert_eq!(
+        strategies,
+        [
+            Some(FanInStrategy::RowLock),
+            Some(FanInStrategy::Countdown),
+            Some(FanInStrategy::RowLock)
+        ]
+    );
+    assert!(done
+        .stages
+        .iter()
+        .all(|s| s.remaining == 0 && s.fired_at.is_some()));
+}

@@ -7,26 +7,23 @@
 use serde_json::Value;
 use sqlx::PgConnection;
 
+use super::Arrival;
 use crate::error::Result;
 use crate::ids::{LeaseToken, TaskId};
-use crate::store::tasks::{self, CountdownRow, FailedRow};
+use crate::store::tasks;
 
 pub(super) async fn complete(
     conn: &mut PgConnection,
     id: TaskId,
     token: LeaseToken,
     output: &Value,
-) -> Result<Option<CountdownRow>> {
-    tasks::complete_counting_down(conn, id, token, output).await
-}
-
-pub(super) async fn fail(
-    conn: &mut PgConnection,
-    id: TaskId,
-    token: LeaseToken,
-    error: &str,
-    permanent: bool,
-    only_if_expired: bool,
-) -> Result<Option<FailedRow>> {
-    tasks::fail_counting_down(conn, id, token, error, permanent, only_if_expired).await
+) -> Result<Option<Arrival>> {
+    Ok(tasks::complete_counting_down(conn, id, token, output)
+        .await?
+        .map(|row| Arrival {
+            group_id: row.group_id,
+            execution_id: row.execution_id,
+            stage_index: row.stage_index,
+            last: row.remaining == Some(0),
+        }))
 }

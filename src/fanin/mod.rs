@@ -1,21 +1,29 @@
 //! Fan-in: deciding, in the very transaction that records a member's terminal status,
 //! whether that member was the last of its group.
 //!
-//! A strategy records the terminal transition and reports the group's countdown; the one
-//! transaction that sees zero fires the group and dispatches the next stage before it
-//! commits ([`crate::dispatch`]).
+//! Each group is created with a strategy (stored on its row), and every arrival at that
+//! group is decided by it, whichever process completes the member. The transaction that
+//! learns it was the last fires the group and dispatches the next stage before it commits
+//! ([`crate::dispatch`]).
 
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::PgConnection;
 
 use crate::error::Result;
-use crate::ids::{LeaseToken, TaskId};
-use crate::store::tasks::{CountdownRow, FailedRow};
+use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 
 mod countdown;
+#[cfg(feature = "naive-fan-in")]
+mod naive;
+mod row_lock;
 
 /// How the last arrival of a group is detected.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum FanInStrategy {
     /// A countdown row per group, decremented by every terminal arrival in the statement
@@ -23,10 +31,34 @@ pub enum FanInStrategy {
     /// completion, no lock on the execution row.
     #[default]
     Countdown,
+    /// The classic way, kept as the baseline: lock the execution row `FOR UPDATE`, then
+    /// re-count the group's members; fire when all are terminal. Correct, but O(width)
+    /// per completion, and every completion of the execution queues on one row.
+    RowLock,
+    /// The bug this crate exists to prevent: re-count the group without any lock. Under
+    /// READ COMMITTED, finishers that commit together each miss the other and nobody
+    /// fires. Only with the `naive-fan-in` feature, for tests and benchmarks.
+    #[cfg(feature = "naive-fan-in")]
+    NaiveRecount,
 }
 
 impl FanInStrategy {
-    /// Completes a running attempt and counts it towards its group.
+    /// The name stored on the group row.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FanInStrategy::Countdown => "countdown",
+            FanInStrategy::RowLock => "row_lock",
+            #[cfg(feature = "naive-fan-in")]
+            FanInStrategy::NaiveRecount => "naive",
+        }
+    }
+
+    /// Whether groups of this strategy keep a `remaining` counter.
+    pub(crate) fn counts(self) -> bool {
+        matches!(self, FanInStrategy::Countdown)
+    }
+
+    /// Records a successful attempt and decides whether it was its group's last arrival.
     /// `None`: the attempt no longer holds its lease, or was already acknowledged.
     pub(crate) async fn complete(
         self,
@@ -34,26 +66,65 @@ impl FanInStrategy {
         id: TaskId,
         token: LeaseToken,
         output: &Value,
-    ) -> Result<Option<CountdownRow>> {
+    ) -> Result<Option<Arrival>> {
         match self {
             FanInStrategy::Countdown => countdown::complete(conn, id, token, output).await,
+            FanInStrategy::RowLock => row_lock::complete(conn, id, token, output).await,
+            #[cfg(feature = "naive-fan-in")]
+            FanInStrategy::NaiveRecount => naive::complete(conn, id, token, output).await,
         }
     }
 
-    /// Records a failed attempt; a terminal one (dead or cancelled) counts towards its group.
-    pub(crate) async fn fail(
+    /// Decides whether a terminal failure (dead letter), already recorded in this
+    /// transaction, was its group's last arrival. `remaining` is what the failure's own
+    /// statement left on the counter, for counting strategies.
+    pub(crate) async fn after_terminal_failure(
         self,
         conn: &mut PgConnection,
-        id: TaskId,
-        token: LeaseToken,
-        error: &str,
-        permanent: bool,
-        only_if_expired: bool,
-    ) -> Result<Option<FailedRow>> {
+        execution_id: ExecutionId,
+        group_id: GroupId,
+        remaining: Option<i32>,
+    ) -> Result<bool> {
         match self {
-            FanInStrategy::Countdown => {
-                countdown::fail(conn, id, token, error, permanent, only_if_expired).await
-            }
+            FanInStrategy::Countdown => Ok(remaining == Some(0)),
+            FanInStrategy::RowLock => row_lock::decide(conn, execution_id, group_id).await,
+            #[cfg(feature = "naive-fan-in")]
+            FanInStrategy::NaiveRecount => naive::decide(conn, group_id).await,
         }
     }
+}
+
+impl fmt::Display for FanInStrategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A strategy name that this build does not know.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown fan-in strategy {0:?} (naive needs the naive-fan-in feature)")]
+pub struct UnknownStrategy(pub String);
+
+impl FromStr for FanInStrategy {
+    type Err = UnknownStrategy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "countdown" => Ok(FanInStrategy::Countdown),
+            "row_lock" | "row-lock" => Ok(FanInStrategy::RowLock),
+            #[cfg(feature = "naive-fan-in")]
+            "naive" => Ok(FanInStrategy::NaiveRecount),
+            other => Err(UnknownStrategy(other.to_owned())),
+        }
+    }
+}
+
+/// A terminal arrival at a group, as decided by its strategy.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Arrival {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+    /// Whether this arrival was the group's last: its transaction fires the group.
+    pub last: bool,
 }

@@ -6,6 +6,7 @@ use sqlx::types::Json;
 use sqlx::{FromRow, PgConnection};
 
 use crate::error::Result;
+use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 
 /// One execution row as stored.
@@ -35,10 +36,12 @@ pub(crate) async fn insert(
     workflow_version: i32,
     input: &Value,
     idempotency_key: Option<&str>,
+    fan_in: FanInStrategy,
 ) -> Result<(ExecutionId, bool)> {
     let inserted: Option<ExecutionId> = sqlx::query_scalar(
-        "INSERT INTO confluo.execution (id, workflow_name, workflow_version, input, idempotency_key)
-         VALUES ($1, $2, $3, $4, $5)
+        "INSERT INTO confluo.execution
+                (id, workflow_name, workflow_version, input, idempotency_key, fan_in)
+         VALUES ($1, $2, $3, $4, $5, $6)
          ON CONFLICT (workflow_name, idempotency_key) DO NOTHING
          RETURNING id",
     )
@@ -47,6 +50,7 @@ pub(crate) async fn insert(
     .bind(workflow_version)
     .bind(Json(input))
     .bind(idempotency_key)
+    .bind(fan_in.as_str())
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(id) = inserted {
@@ -62,15 +66,25 @@ pub(crate) async fn insert(
     Ok((existing, false))
 }
 
-/// Locks the execution row for a stage transition and returns its status and pinned
-/// workflow. Taken once per stage transition (never per member completion), so that a
-/// transition and a cancel or failure of the execution are serialized.
+/// What a stage transition needs of its execution.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct TransitionRow {
+    pub status: String,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    /// The default fan-in strategy recorded when the execution started.
+    pub fan_in: String,
+}
+
+/// Locks the execution row for a stage transition. Taken once per stage transition
+/// (never per member completion), so that a transition and a cancel or failure of the
+/// execution are serialized.
 pub(crate) async fn lock_for_transition(
     conn: &mut PgConnection,
     id: ExecutionId,
-) -> Result<Option<(String, String, i32)>> {
+) -> Result<Option<TransitionRow>> {
     Ok(sqlx::query_as(
-        "SELECT status, workflow_name, workflow_version FROM confluo.execution
+        "SELECT status, workflow_name, workflow_version, fan_in FROM confluo.execution
           WHERE id = $1 FOR NO KEY UPDATE",
     )
     .bind(id)
@@ -186,7 +200,8 @@ pub(crate) struct StageRow {
     pub stage_name: String,
     pub kind: String,
     pub width: i32,
-    pub remaining: i32,
+    pub remaining: Option<i32>,
+    pub fan_in: String,
     pub fired_at: Option<DateTime<Utc>>,
     pub pending: i64,
     pub running: i64,
@@ -200,7 +215,7 @@ where
     E: sqlx::PgExecutor<'e>,
 {
     Ok(sqlx::query_as(
-        "SELECT g.id, g.stage_index, g.stage_name, g.kind, g.width, g.remaining, g.fired_at,
+        "SELECT g.id, g.stage_index, g.stage_name, g.kind, g.width, g.remaining, g.fan_in, g.fired_at,
                 count(*) FILTER (WHERE t.status = 'pending')   AS pending,
                 count(*) FILTER (WHERE t.status = 'running')   AS running,
                 count(*) FILTER (WHERE t.status = 'completed') AS completed,

@@ -5,6 +5,7 @@ use sqlx::PgConnection;
 
 use crate::definition::{Stage, Workflow};
 use crate::error::Result;
+use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 
 /// Where the members of a new stage come from.
@@ -30,6 +31,7 @@ pub(crate) async fn create_stage(
     workflow: &Workflow,
     stage_index: usize,
     source: MemberSource,
+    fan_in: FanInStrategy,
 ) -> Result<i32> {
     let stage: &Stage = &workflow.stages()[stage_index];
     let source_sql = match source {
@@ -58,8 +60,10 @@ pub(crate) async fn create_stage(
         "WITH src AS MATERIALIZED ({source_sql}),
          g AS (
             INSERT INTO confluo.stage_group
-                   (id, execution_id, stage_index, stage_name, kind, width, remaining)
-            SELECT $1, $2, $3, $4, $5, count(*), count(*) FROM src
+                   (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in)
+            SELECT $1, $2, $3, $4, $5, count(*),
+                   CASE WHEN $16 THEN count(*) END, $15
+              FROM src
             RETURNING width
          ),
          t AS (
@@ -88,20 +92,22 @@ pub(crate) async fn create_stage(
         .bind(retry.max_backoff_ms as i64)
         .bind(retry.jitter)
         .bind(stage.attempt_timeout().as_millis() as i64);
+    // $14 is bound last: it depends on the source.
     let query = match source {
         MemberSource::Handlers => query.bind(stage.handler_names()),
         MemberSource::ExecutionInput => query.bind(None::<GroupId>),
         MemberSource::StepOutput(g) | MemberSource::GroupOutputs(g) => query.bind(g),
     };
+    let query = query.bind(fan_in.as_str()).bind(fan_in.counts());
     Ok(query.fetch_one(conn).await?)
 }
 
 /// Sets the fired marker: true for the one caller that fires the group, false if it had
-/// fired already (a second guard behind the countdown) or is not at zero.
+/// fired already (a second guard behind every strategy's decision).
 pub(crate) async fn mark_fired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
     let fired = sqlx::query(
         "UPDATE confluo.stage_group SET fired_at = now()
-          WHERE id = $1 AND fired_at IS NULL AND remaining = 0",
+          WHERE id = $1 AND fired_at IS NULL",
     )
     .bind(group_id)
     .execute(conn)

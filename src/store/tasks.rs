@@ -30,6 +30,7 @@ pub(crate) struct ClaimedRow {
     pub lease_token: LeaseToken,
     pub lease_expires_at: DateTime<Utc>,
     pub execution_status: String,
+    pub fan_in: String,
 }
 
 /// Separates workflow and handler names in claim filters; names cannot contain it.
@@ -64,7 +65,8 @@ pub(crate) async fn claim(
                 t.stage_index, t.handler, t.item_index, t.input, t.attempt, t.max_attempts,
                 t.timeout_ms, t.lease_token, t.lease_expires_at,
                 (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)
-                    AS execution_status",
+                    AS execution_status,
+                (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in",
     )
     .bind(limit)
     .bind(lease_ms)
@@ -99,7 +101,7 @@ pub(crate) struct CountdownRow {
     pub group_id: GroupId,
     pub execution_id: ExecutionId,
     pub stage_index: i32,
-    pub remaining: i32,
+    pub remaining: Option<i32>,
 }
 
 /// Completes a running attempt and decrements its group, in one statement: the group row
@@ -130,6 +132,60 @@ pub(crate) async fn complete_counting_down(
     .await?)
 }
 
+/// The group of a member whose terminal status was just written.
+#[derive(Debug, Clone, Copy, FromRow)]
+pub(crate) struct MemberRow {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+}
+
+/// Completes a running attempt without touching its group (strategies that re-count).
+pub(crate) async fn complete_plain(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    output: &Value,
+) -> Result<Option<MemberRow>> {
+    Ok(sqlx::query_as(
+        "UPDATE confluo.task
+            SET status = 'completed', output = $3, finished_at = now(), lease_expires_at = NULL
+          WHERE id = $1 AND lease_token = $2 AND status = 'running'
+      RETURNING group_id, execution_id, stage_index",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(Json(output))
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// Locks the execution row as the classic row-lock fan-in does (`FOR UPDATE`).
+pub(crate) async fn lock_execution_for_update(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+) -> Result<()> {
+    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR UPDATE")
+        .bind(execution_id)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Members of a group that are not terminal, and members in all: a re-read of the group.
+pub(crate) async fn count_open_members(
+    conn: &mut PgConnection,
+    group_id: GroupId,
+) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status IN ('pending', 'running')), count(*)
+           FROM confluo.task WHERE group_id = $1",
+    )
+    .bind(group_id)
+    .fetch_one(conn)
+    .await?)
+}
+
 /// The result of recording a failed attempt.
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct FailedRow {
@@ -137,8 +193,10 @@ pub(crate) struct FailedRow {
     pub status: String,
     pub run_at: DateTime<Utc>,
     pub attempt: i32,
-    pub group_id: Option<GroupId>,
-    pub stage_index: Option<i32>,
+    pub group_id: GroupId,
+    pub stage_index: i32,
+    /// What the failure left on a counting group's counter (NULL for other strategies,
+    /// and when the attempt will be retried).
     pub remaining: Option<i32>,
 }
 
@@ -176,16 +234,17 @@ pub(crate) async fn fail_counting_down(
                      WHERE y.id = $1) v
              WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
                AND (NOT $5 OR t.lease_expires_at < now())
-         RETURNING t.group_id, t.status, t.run_at, t.attempt
+         RETURNING t.group_id, t.stage_index, t.status, t.run_at, t.attempt
          ), counted AS (
             UPDATE confluo.stage_group g
                SET remaining = g.remaining - 1
               FROM failed
              WHERE g.id = failed.group_id AND failed.status <> 'pending'
-         RETURNING g.id, g.stage_index, g.remaining
+               AND g.remaining IS NOT NULL
+         RETURNING g.remaining
          )
          SELECT failed.status, failed.run_at, failed.attempt,
-                counted.id AS group_id, counted.stage_index, counted.remaining
+                failed.group_id, failed.stage_index, counted.remaining
            FROM failed LEFT JOIN counted ON true",
     )
     .bind(id)
@@ -265,14 +324,16 @@ pub(crate) struct ExpiredRow {
     pub stage_index: i32,
     pub attempt: i32,
     pub max_attempts: i32,
+    pub fan_in: String,
 }
 
 /// Running tasks whose lease has expired, oldest first.
 pub(crate) async fn expired_leases(conn: &mut PgConnection, limit: i64) -> Result<Vec<ExpiredRow>> {
     Ok(sqlx::query_as(
         "SELECT id, lease_token, execution_id, workflow_name, workflow_version, stage_index,
-                attempt, max_attempts
-           FROM confluo.task
+                attempt, max_attempts,
+                (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in
+           FROM confluo.task t
           WHERE status = 'running' AND lease_expires_at < now()
           ORDER BY lease_expires_at LIMIT $1",
     )
