@@ -57,6 +57,7 @@ struct Settings {
     poll_interval: Duration,
     lease: Duration,
     grace: Duration,
+    partial: bool,
 }
 
 impl fmt::Debug for WorkerBuilder {
@@ -80,6 +81,7 @@ impl WorkerBuilder {
                 poll_interval: Duration::from_millis(500),
                 lease: Duration::from_secs(30),
                 grace: Duration::from_secs(10),
+                partial: false,
             },
         }
     }
@@ -145,8 +147,17 @@ impl WorkerBuilder {
         self
     }
 
+    /// Serve only the handlers given, and leave the other stages of the same workflows to
+    /// other workers (e.g. a pool of workers with a GPU for one stage). Off by default:
+    /// [`start`](Self::start) then refuses a worker that lacks a handler.
+    pub fn partial(mut self, partial: bool) -> Self {
+        self.settings.partial = partial;
+        self
+    }
+
     /// Checks that every stage of the latest version of each workflow served has a
-    /// handler, and starts the worker on the current tokio runtime.
+    /// handler (unless [`partial`](Self::partial)), and starts the worker on the current
+    /// tokio runtime.
     ///
     /// # Errors
     /// [`Error::MissingHandler`]; [`Error::WorkflowNotFound`] for a workflow that is not
@@ -159,9 +170,10 @@ impl WorkerBuilder {
         for workflow in served {
             let definition = workflows::load(self.engine.pool(), workflow, None).await?;
             for name in definition.handler_names() {
-                if !self
-                    .handlers
-                    .contains_key(&(workflow.to_owned(), name.to_owned()))
+                if !self.settings.partial
+                    && !self
+                        .handlers
+                        .contains_key(&(workflow.to_owned(), name.to_owned()))
                 {
                     return Err(Error::MissingHandler {
                         workflow: workflow.to_owned(),

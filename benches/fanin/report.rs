@@ -1,0 +1,221 @@
+//! The benchmark's outputs: a table with ratios to the floor and to row-lock, JSON, CSV,
+//! and an SVG chart (throughput and fan-in latency against width, a line per strategy).
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::scenario::{Mode, Result};
+
+pub struct Report {
+    results: Vec<Result>,
+}
+
+impl Report {
+    pub fn new(results: Vec<Result>) -> Self {
+        Report { results }
+    }
+
+    fn rate_of(&self, r: &Result, mode: &str) -> Option<f64> {
+        self.results
+            .iter()
+            .find(|o| {
+                o.width == r.width && o.finishers == r.finishers && o.mode.to_string() == mode
+            })
+            .map(|o| o.rate)
+    }
+
+    /// Stalls and double fires of every strategy that must have none (all but naive).
+    pub fn violations(&self) -> usize {
+        self.results
+            .iter()
+            .filter(|r| r.mode.to_string() != "naive")
+            .map(|r| r.stalls + r.double_fires)
+            .sum()
+    }
+
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ =
+            writeln!(
+            out,
+            "{:>7} {:>4} {:<10} {:>10} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>6} {:>6} {:>4}",
+            "width", "fin", "strategy", "compl/s", "x floor", "x rowlk", "lat p50", "lat p99",
+            "fanin p50", "fanin p99", "block s", "stalls", "double", "cut"
+        );
+        let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2}ms"));
+        let ratio = |a: f64, b: Option<f64>| b.map_or("-".to_owned(), |b| format!("{:.2}", a / b));
+        for r in &self.results {
+            let _ = writeln!(
+                out,
+                "{:>7} {:>4} {:<10} {:>10.0} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8.2} {:>6} {:>6} {:>4}",
+                r.width,
+                r.finishers,
+                r.mode.to_string(),
+                r.rate,
+                ratio(r.rate, self.rate_of(r, "floor")),
+                ratio(r.rate, self.rate_of(r, "row_lock")),
+                ms(Some(r.latency_p50_ms)),
+                ms(Some(r.latency_p99_ms)),
+                ms(r.fan_in_p50_ms),
+                ms(r.fan_in_p99_ms),
+                r.block_seconds,
+                r.stalls,
+                r.double_fires,
+                if r.cut { "cut" } else { "" },
+            );
+        }
+        out
+    }
+
+    pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
+        std::fs::write(
+            dir.join("results.json"),
+            serde_json::to_string_pretty(&self.results)?,
+        )?;
+        let mut csv = String::from(
+            "width,finishers,strategy,blocks,completions,rate,ratio_floor,ratio_row_lock,latency_p50_ms,\
+             latency_p99_ms,fan_in_p50_ms,fan_in_p99_ms,fan_in_samples,block_seconds,stalls,double_fires,cut\n",
+        );
+        let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
+        for r in &self.results {
+            let _ = writeln!(
+                csv,
+                "{},{},{},{},{},{:.1},{},{},{:.4},{:.4},{},{},{},{:.4},{},{},{}",
+                r.width,
+                r.finishers,
+                r.mode,
+                r.blocks,
+                r.completions,
+                r.rate,
+                opt(self.rate_of(r, "floor").map(|f| r.rate / f)),
+                opt(self.rate_of(r, "row_lock").map(|f| r.rate / f)),
+                r.latency_p50_ms,
+                r.latency_p99_ms,
+                opt(r.fan_in_p50_ms),
+                opt(r.fan_in_p99_ms),
+                r.fan_in_samples,
+                r.block_seconds,
+                r.stalls,
+                r.double_fires,
+                r.cut
+            );
+        }
+        std::fs::write(dir.join("results.csv"), csv)?;
+        self.chart(&dir.join("chart.svg"))
+    }
+
+    /// Throughput and fan-in p99 against width, at one finisher count (32 if measured,
+    /// else the largest).
+    fn chart(&self, path: &Path) -> anyhow::Result<()> {
+        let mut counts: Vec<usize> = self.results.iter().map(|r| r.finishers).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        let finishers = if counts.contains(&32) {
+            32
+        } else {
+            *counts.last().unwrap_or(&1)
+        };
+        let mut modes: Vec<Mode> = Vec::new();
+        for r in &self.results {
+            if !modes.contains(&r.mode) {
+                modes.push(r.mode);
+            }
+        }
+        let at = |mode: Mode| {
+            self.results
+                .iter()
+                .filter(move |r| r.mode == mode && r.finishers == finishers)
+        };
+        let (wmin, wmax) = self.results.iter().fold((f64::MAX, 0f64), |(a, b), r| {
+            (a.min(r.width as f64), b.max(r.width as f64))
+        });
+        let widths = (wmin / 2.0)..(wmax * 2.0);
+        let rmax = self.results.iter().map(|r| r.rate).fold(1.0, f64::max) * 2.0;
+        let lmax = self
+            .results
+            .iter()
+            .filter_map(|r| r.fan_in_p99_ms)
+            .fold(1.0, f64::max)
+            * 2.0;
+
+        let root = SVGBackend::new(path, (1100, 450)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (left, right) = root.split_horizontally(550);
+        let colors = [BLACK, BLUE, RED, MAGENTA, GREEN];
+
+        let mut c = ChartBuilder::on(&left)
+            .caption(
+                format!("completions/s ({finishers} finishers)"),
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(60)
+            .build_cartesian_2d(widths.clone().log_scale(), (1.0..rmax).log_scale())?;
+        c.configure_mesh()
+            .x_desc("block width")
+            .y_desc("completions/s")
+            .draw()?;
+        for (i, &mode) in modes.iter().enumerate() {
+            let color = colors[i % colors.len()];
+            let points: Vec<(f64, f64)> = at(mode)
+                .map(|r| (r.width as f64, r.rate.max(1.0)))
+                .collect();
+            c.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+                .label(mode.to_string())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+            c.draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )?;
+        }
+        c.configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE)
+            .draw()?;
+
+        let mut c = ChartBuilder::on(&right)
+            .caption(
+                format!("fan-in latency p99, ms ({finishers} finishers)"),
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(60)
+            .build_cartesian_2d(widths.log_scale(), (0.1..lmax).log_scale())?;
+        c.configure_mesh()
+            .x_desc("block width")
+            .y_desc("ms")
+            .draw()?;
+        for (i, &mode) in modes.iter().enumerate() {
+            let color = colors[i % colors.len()];
+            let points: Vec<(f64, f64)> = at(mode)
+                .filter_map(|r| r.fan_in_p99_ms.map(|l| (r.width as f64, l.max(0.1))))
+                .collect();
+            if points.is_empty() {
+                continue;
+            }
+            c.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+                .label(mode.to_string())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+            c.draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )?;
+        }
+        c.configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    }
+}
