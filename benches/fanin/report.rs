@@ -76,13 +76,13 @@ impl Report {
         )?;
         let mut csv = String::from(
             "width,finishers,strategy,blocks,completions,rate,ratio_floor,ratio_row_lock,latency_p50_ms,\
-             latency_p99_ms,fan_in_p50_ms,fan_in_p99_ms,fan_in_samples,block_seconds,stalls,double_fires,cut\n",
+             latency_p99_ms,firing_p50_ms,fan_in_p50_ms,fan_in_p99_ms,fan_in_samples,block_seconds,stalls,double_fires,cut\n",
         );
         let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
         for r in &self.results {
             let _ = writeln!(
                 csv,
-                "{},{},{},{},{},{:.1},{},{},{:.4},{:.4},{},{},{},{:.4},{},{},{}",
+                "{},{},{},{},{},{:.1},{},{},{:.4},{:.4},{},{},{},{},{:.4},{},{},{}",
                 r.width,
                 r.finishers,
                 r.mode,
@@ -93,6 +93,7 @@ impl Report {
                 opt(self.rate_of(r, "row_lock").map(|f| r.rate / f)),
                 r.latency_p50_ms,
                 r.latency_p99_ms,
+                opt(r.firing_p50_ms),
                 opt(r.fan_in_p50_ms),
                 opt(r.fan_in_p99_ms),
                 r.fan_in_samples,
