@@ -14,7 +14,7 @@ use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::execution::ExecutionStatus;
-use crate::fanin::FanInStrategy;
+use crate::fanin::{self, FanInStrategy, Member};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::store::{executions, groups, tasks};
 
@@ -323,10 +323,24 @@ impl Engine {
             drop(tx);
             return self.explain_no_match(a.id, a.lease).await;
         };
+        let member = Member {
+            group_id: row.group_id,
+            item_index: row.item_index,
+        };
+        // Countdown groups were counted by the failure's own statement.
+        let counted = row.remaining.is_some();
         let outcome = match row.status.as_str() {
             "pending" => Outcome::RetryScheduled { at: row.run_at },
-            "cancelled" => Outcome::Cancelled,
+            "cancelled" => {
+                if !counted {
+                    fanin::count_without_deciding(a.fan_in, &mut tx, member).await?;
+                }
+                Outcome::Cancelled
+            }
             _ if fails_execution => {
+                if !counted {
+                    fanin::count_without_deciding(a.fan_in, &mut tx, member).await?;
+                }
                 let message = format!(
                     "stage {:?} failed: task {} was dead-lettered after {} attempt(s): {}",
                     stage.name(),
@@ -340,7 +354,7 @@ impl Engine {
             _ => {
                 let last = a
                     .fan_in
-                    .after_terminal_failure(&mut tx, a.execution_id, row.group_id, row.remaining)
+                    .after_terminal_failure(&mut tx, a.execution_id, member, row.remaining)
                     .await?;
                 let fired = last
                     && dispatch::fire(self, &mut tx, a.execution_id, row.group_id, row.stage_index)
@@ -364,8 +378,17 @@ impl Engine {
 
     /// Cancels a claimed task whose execution has stopped; it counts towards its group.
     pub(crate) async fn cancel_claimed(&self, task: &ClaimedTask) -> Result<bool> {
-        let mut conn = self.pool().acquire().await?;
-        tasks::cancel_claimed(&mut conn, task.id, task.lease).await
+        let mut tx = self.pool().begin().await?;
+        let Some(row) = tasks::cancel_claimed(&mut tx, task.id, task.lease).await? else {
+            return Ok(false);
+        };
+        let member = Member {
+            group_id: row.group_id,
+            item_index: row.item_index,
+        };
+        fanin::count_without_deciding(task.fan_in, &mut tx, member).await?;
+        tx.commit().await?;
+        Ok(true)
     }
 
     /// Reclaims up to `limit` running tasks whose lease expired: each counts as a failed

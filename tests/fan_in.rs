@@ -12,7 +12,11 @@ use serde_json::json;
 use tokio::sync::Barrier;
 
 /// Every strategy that must keep the invariants; each test runs against all of them.
-const STRATEGIES: [FanInStrategy; 2] = [FanInStrategy::Countdown, FanInStrategy::RowLock];
+const STRATEGIES: [FanInStrategy; 3] = [
+    FanInStrategy::Countdown,
+    FanInStrategy::Striped,
+    FanInStrategy::RowLock,
+];
 
 /// Registers a map (decided by `strategy`) followed by one step; returns its name.
 async fn wide(db: &TestDb, retry: RetryPolicy, strategy: FanInStrategy) -> String {
@@ -51,7 +55,10 @@ async fn after_state(db: &TestDb, execution: confluo::ExecutionId) -> (i64, i64,
         sqlx::query_as(
             "SELECT (SELECT count(*) FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = 1),
                     (SELECT count(*) FROM confluo.task WHERE execution_id = $1 AND stage_index = 1),
-                    g.remaining,
+                    CASE g.fan_in
+                        WHEN 'striped' THEN (SELECT sum(s.remaining)::int FROM confluo.group_stripe s
+                                              WHERE s.group_id = g.id)
+                        ELSE g.remaining END,
                     (SELECT count(*)::int FROM confluo.task
                       WHERE group_id = g.id AND status IN ('pending', 'running')),
                     g.fired_at IS NOT NULL
@@ -64,6 +71,23 @@ async fn after_state(db: &TestDb, execution: confluo::ExecutionId) -> (i64, i64,
     if let Some(counter) = counter {
         assert_eq!(counter, open, "the countdown disagrees with the members");
     }
+    // A striped group's row counts its stripes that are not drained.
+    let (row, undrained): (Option<i32>, i64) = sqlx::query_as(
+        "SELECT g.remaining, (SELECT count(*) FROM confluo.group_stripe s
+                               WHERE s.group_id = g.id AND s.remaining > 0)
+           FROM confluo.stage_group g
+          WHERE g.execution_id = $1 AND g.stage_index = 0 AND g.fan_in = 'striped'",
+    )
+    .bind(execution)
+    .fetch_optional(&db.pool)
+    .await
+    .unwrap()
+    .unwrap_or((Some(0), 0));
+    assert_eq!(
+        row,
+        Some(undrained as i32),
+        "a striped group's row disagrees with its stripes"
+    );
     (groups, next_tasks, open, marked)
 }
 

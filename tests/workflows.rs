@@ -8,10 +8,17 @@ use std::time::Duration;
 
 use common::TestDb;
 use confluo::{
-    Engine, ExecutionStatus, MapResults, ParallelResults, RetryPolicy, Stage, TaskError, Worker,
-    Workflow,
+    Engine, ExecutionStatus, FanInStrategy, MapResults, ParallelResults, RetryPolicy, Stage,
+    TaskError, Worker, Workflow,
 };
 use serde_json::{json, Value};
+
+/// The strategies that must keep every invariant.
+const STRATEGIES: [FanInStrategy; 3] = [
+    FanInStrategy::Countdown,
+    FanInStrategy::Striped,
+    FanInStrategy::RowLock,
+];
 
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -226,13 +233,22 @@ async fn exhausted_parallel_member_passes_partial_results_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn failing_member_can_fail_the_execution_and_cancel_pending_siblings() {
+    for strategy in STRATEGIES {
+        failing_member_can_fail_the_execution_and_cancel_pending_siblings_with(strategy).await;
+    }
+}
+
+async fn failing_member_can_fail_the_execution_and_cancel_pending_siblings_with(
+    strategy: FanInStrategy,
+) {
     let db = TestDb::new(10).await;
     db.register(
         &Workflow::new("strict", 1)
             .stage(
                 Stage::map("item")
                     .retry(RetryPolicy::none())
-                    .fail_execution_on_member_failure(),
+                    .fail_execution_on_member_failure()
+                    .fan_in(strategy),
             )
             .step("after"),
     )
@@ -423,9 +439,19 @@ async fn panics_garbage_and_timeouts_are_failed_attempts_not_dead_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancelling_stops_queued_work_and_dispatches_nothing() {
+    for strategy in STRATEGIES {
+        cancelling_stops_queued_work_and_dispatches_nothing_with(strategy).await;
+    }
+}
+
+async fn cancelling_stops_queued_work_and_dispatches_nothing_with(strategy: FanInStrategy) {
     let db = TestDb::new(10).await;
-    db.register(&Workflow::new("cancel", 1).map("item").step("after"))
-        .await;
+    db.register(
+        &Workflow::new("cancel", 1)
+            .stage(Stage::map("item").fan_in(strategy))
+            .step("after"),
+    )
+    .await;
     let id = db.engine.start("cancel", &[1, 2, 3]).await.unwrap();
     let running = db
         .engine
@@ -569,7 +595,6 @@ async fn killed_connections_lose_no_task() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_engine_default_strategy_applies_to_every_group_and_is_stored_on_it() {
-    use confluo::FanInStrategy;
     let db = TestDb::new(10).await;
     // The engine's default is row-lock; one stage overrides it with the countdown.
     let engine = Engine::builder(db.pool.clone())
@@ -626,4 +651,52 @@ async fn an_engine_default_strategy_applies_to_every_group_and_is_stored_on_it()
         .stages
         .iter()
         .all(|s| s.remaining == 0 && s.fired_at.is_some()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelling_a_wide_striped_group_counts_every_stripe_down() {
+    let db = TestDb::new(10).await;
+    db.register(
+        &Workflow::new("striped", 1)
+            .stage(Stage::map("item").fan_in(FanInStrategy::Striped))
+            .step("after"),
+    )
+    .await;
+    let id = db.engine.start("striped", &vec![0; 100]).await.unwrap();
+    let stripes: i32 =
+        sqlx::query_scalar("SELECT stripes FROM confluo.stage_group WHERE execution_id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(stripes, 6, "one stripe per 16 members");
+    let running = db
+        .engine
+        .claim("t", 10, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(db.engine.cancel(id).await.unwrap());
+    let exec = db.engine.execution(id).await.unwrap();
+    assert_eq!(
+        (exec.stages[0].cancelled, exec.stages[0].remaining),
+        (90, 10)
+    );
+    for task in &running {
+        db.engine.complete(task, json!(1)).await.unwrap();
+    }
+    let (row, stripe_sum): (i32, i64) = sqlx::query_as(
+        "SELECT g.remaining, (SELECT sum(remaining) FROM confluo.group_stripe s WHERE s.group_id = g.id)
+           FROM confluo.stage_group g WHERE g.execution_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (row, stripe_sum),
+        (0, 0),
+        "every stripe drained, the group row at zero"
+    );
+    let exec = db.engine.execution(id).await.unwrap();
+    assert_eq!((exec.stages.len(), exec.stages[0].fired_at), (1, None));
 }

@@ -20,6 +20,7 @@ mod countdown;
 #[cfg(feature = "naive-fan-in")]
 mod naive;
 mod row_lock;
+mod striped;
 
 /// How the last arrival of a group is detected.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -31,6 +32,11 @@ pub enum FanInStrategy {
     /// completion, no lock on the execution row.
     #[default]
     Countdown,
+    /// The countdown spread over stripe rows (one per 16 members, at most 256): member
+    /// `i` counts down stripe `i % stripes`, and the arrival that drains a stripe counts
+    /// down the group row. Exactly one arrival still sees zero; concurrent finishers
+    /// rarely queue on the same row. For wide blocks with many finishers.
+    Striped,
     /// The classic way, kept as the baseline: lock the execution row `FOR UPDATE`, then
     /// re-count the group's members; fire when all are terminal. Correct, but O(width)
     /// per completion, and every completion of the execution queues on one row.
@@ -48,14 +54,10 @@ impl FanInStrategy {
         match self {
             FanInStrategy::Countdown => "countdown",
             FanInStrategy::RowLock => "row_lock",
+            FanInStrategy::Striped => "striped",
             #[cfg(feature = "naive-fan-in")]
             FanInStrategy::NaiveRecount => "naive",
         }
-    }
-
-    /// Whether groups of this strategy keep a `remaining` counter.
-    pub(crate) fn counts(self) -> bool {
-        matches!(self, FanInStrategy::Countdown)
     }
 
     /// Records a successful attempt and decides whether it was its group's last arrival.
@@ -70,6 +72,7 @@ impl FanInStrategy {
         match self {
             FanInStrategy::Countdown => countdown::complete(conn, id, token, output).await,
             FanInStrategy::RowLock => row_lock::complete(conn, id, token, output).await,
+            FanInStrategy::Striped => striped::complete(conn, id, token, output).await,
             #[cfg(feature = "naive-fan-in")]
             FanInStrategy::NaiveRecount => naive::complete(conn, id, token, output).await,
         }
@@ -77,21 +80,50 @@ impl FanInStrategy {
 
     /// Decides whether a terminal failure (dead letter), already recorded in this
     /// transaction, was its group's last arrival. `remaining` is what the failure's own
-    /// statement left on the counter, for counting strategies.
+    /// statement left on the counter of a countdown group.
     pub(crate) async fn after_terminal_failure(
         self,
         conn: &mut PgConnection,
         execution_id: ExecutionId,
-        group_id: GroupId,
+        member: Member,
         remaining: Option<i32>,
     ) -> Result<bool> {
+        let group_id = member.group_id;
         match self {
             FanInStrategy::Countdown => Ok(remaining == Some(0)),
+            FanInStrategy::Striped => striped::count_down(conn, member).await,
             FanInStrategy::RowLock => row_lock::decide(conn, execution_id, group_id).await,
             #[cfg(feature = "naive-fan-in")]
             FanInStrategy::NaiveRecount => naive::decide(conn, group_id).await,
         }
     }
+}
+
+/// Counts a member that became terminal where no fan-in decision is due (cancelled, or
+/// dead-lettered in a stage that fails its execution), if the statement that wrote its
+/// status did not count it already.
+pub(crate) async fn count_without_deciding(
+    strategy: FanInStrategy,
+    conn: &mut PgConnection,
+    member: Member,
+) -> Result<()> {
+    match strategy {
+        FanInStrategy::Countdown => {
+            crate::store::groups::count_down(conn, member.group_id).await?;
+        }
+        FanInStrategy::Striped => {
+            striped::count_down(conn, member).await?;
+        }
+        _ => {} // re-counting strategies keep no counter
+    }
+    Ok(())
+}
+
+/// A member of a group, as its stripe needs it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Member {
+    pub group_id: GroupId,
+    pub item_index: i32,
 }
 
 impl fmt::Display for FanInStrategy {
@@ -112,6 +144,7 @@ impl FromStr for FanInStrategy {
         match s {
             "countdown" => Ok(FanInStrategy::Countdown),
             "row_lock" | "row-lock" => Ok(FanInStrategy::RowLock),
+            "striped" => Ok(FanInStrategy::Striped),
             #[cfg(feature = "naive-fan-in")]
             "naive" => Ok(FanInStrategy::NaiveRecount),
             other => Err(UnknownStrategy(other.to_owned())),

@@ -153,12 +153,28 @@ pub(crate) async fn stop(
         "WITH cancelled AS (
             UPDATE confluo.task SET status = 'cancelled', finished_at = now()
              WHERE execution_id = $1 AND status = 'pending'
-         RETURNING group_id
+         RETURNING group_id, item_index
          ), per_group AS (
-            SELECT group_id, count(*)::int AS n FROM cancelled GROUP BY group_id
+            SELECT c.group_id, g.fan_in, g.stripes, count(*)::int AS n
+              FROM cancelled c JOIN confluo.stage_group g ON g.id = c.group_id
+             GROUP BY c.group_id, g.fan_in, g.stripes
+         ), counted AS (
+            UPDATE confluo.stage_group g SET remaining = g.remaining - p.n
+              FROM per_group p WHERE g.id = p.group_id AND p.fan_in = 'countdown'
+         ), per_stripe AS (
+            SELECT c.group_id, c.item_index % p.stripes AS stripe, count(*)::int AS n
+              FROM cancelled c JOIN per_group p ON p.group_id = c.group_id
+             WHERE p.fan_in = 'striped'
+             GROUP BY 1, 2
+         ), striped AS (
+            UPDATE confluo.group_stripe s SET remaining = s.remaining - p.n
+              FROM per_stripe p WHERE s.group_id = p.group_id AND s.stripe = p.stripe
+         RETURNING s.group_id, s.remaining
+         ), drained AS (
+            SELECT group_id, count(*)::int AS n FROM striped WHERE remaining = 0 GROUP BY group_id
          )
-         UPDATE confluo.stage_group g SET remaining = g.remaining - per_group.n
-           FROM per_group WHERE g.id = per_group.group_id",
+         UPDATE confluo.stage_group g SET remaining = g.remaining - d.n
+           FROM drained d WHERE g.id = d.group_id",
     )
     .bind(id)
     .execute(conn)
@@ -215,7 +231,12 @@ where
     E: sqlx::PgExecutor<'e>,
 {
     Ok(sqlx::query_as(
-        "SELECT g.id, g.stage_index, g.stage_name, g.kind, g.width, g.remaining, g.fan_in, g.fired_at,
+        "SELECT g.id, g.stage_index, g.stage_name, g.kind, g.width,
+                CASE g.fan_in
+                    WHEN 'striped' THEN (SELECT sum(s.remaining)::int FROM confluo.group_stripe s
+                                          WHERE s.group_id = g.id)
+                    ELSE g.remaining END AS remaining,
+                g.fan_in, g.fired_at,
                 count(*) FILTER (WHERE t.status = 'pending')   AS pending,
                 count(*) FILTER (WHERE t.status = 'running')   AS running,
                 count(*) FILTER (WHERE t.status = 'completed') AS completed,

@@ -22,7 +22,12 @@ pub(crate) enum MemberSource {
     GroupOutputs(GroupId),
 }
 
-/// Creates a stage's countdown row and all its members in one statement, so that the group
+/// A striped group has one stripe per this many members...
+const MEMBERS_PER_STRIPE: i64 = 16;
+/// ...and at most this many stripes.
+const MAX_STRIPES: i64 = 256;
+
+/// Creates a stage's countdown row (and stripes) and all its members in one statement, so that the group
 /// is never visible without its tasks. Returns the width.
 pub(crate) async fn create_stage(
     conn: &mut PgConnection,
@@ -58,13 +63,28 @@ pub(crate) async fn create_stage(
     };
     let sql = format!(
         "WITH src AS MATERIALIZED ({source_sql}),
+         k AS (
+            SELECT count(*) AS n,
+                   CASE WHEN $15 = 'striped'
+                        THEN least($16, greatest(1, count(*) / $17))::int ELSE 1 END AS k
+              FROM src
+         ),
          g AS (
             INSERT INTO confluo.stage_group
-                   (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in)
-            SELECT $1, $2, $3, $4, $5, count(*),
-                   CASE WHEN $16 THEN count(*) END, $15
-              FROM src
+                   (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
+                    stripes)
+            SELECT $1, $2, $3, $4, $5, k.n,
+                   CASE $15 WHEN 'countdown' THEN k.n WHEN 'striped' THEN least(k.n, k.k) END,
+                   $15, k.k
+              FROM k
             RETURNING width
+         ),
+         s AS (
+            INSERT INTO confluo.group_stripe (group_id, stripe, remaining)
+            SELECT $1, ((src.ord - 1) % k.k)::int, count(*)
+              FROM src, k
+             WHERE $15 = 'striped'
+             GROUP BY 2
          ),
          t AS (
             INSERT INTO confluo.task
@@ -98,7 +118,10 @@ pub(crate) async fn create_stage(
         MemberSource::ExecutionInput => query.bind(None::<GroupId>),
         MemberSource::StepOutput(g) | MemberSource::GroupOutputs(g) => query.bind(g),
     };
-    let query = query.bind(fan_in.as_str()).bind(fan_in.counts());
+    let query = query
+        .bind(fan_in.as_str())
+        .bind(MAX_STRIPES)
+        .bind(MEMBERS_PER_STRIPE);
     Ok(query.fetch_one(conn).await?)
 }
 
@@ -114,6 +137,34 @@ pub(crate) async fn mark_fired(conn: &mut PgConnection, group_id: GroupId) -> Re
     .await?
     .rows_affected();
     Ok(fired == 1)
+}
+
+/// Counts one terminal member down on the group row; returns what remains.
+pub(crate) async fn count_down(conn: &mut PgConnection, group_id: GroupId) -> Result<i32> {
+    Ok(sqlx::query_scalar(
+        "UPDATE confluo.stage_group SET remaining = remaining - 1 WHERE id = $1 RETURNING remaining",
+    )
+    .bind(group_id)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// Counts one terminal member down on its stripe; returns what remains of the stripe.
+pub(crate) async fn count_down_stripe(
+    conn: &mut PgConnection,
+    group_id: GroupId,
+    item_index: i32,
+) -> Result<i32> {
+    Ok(sqlx::query_scalar(
+        "UPDATE confluo.group_stripe s SET remaining = s.remaining - 1
+           FROM confluo.stage_group g
+          WHERE g.id = $1 AND s.group_id = $1 AND s.stripe = $2 % g.stripes
+      RETURNING s.remaining",
+    )
+    .bind(group_id)
+    .bind(item_index)
+    .fetch_one(conn)
+    .await?)
 }
 
 /// The output of a group as the next stage sees it: a step's own output; for a map

@@ -138,6 +138,7 @@ pub(crate) struct MemberRow {
     pub group_id: GroupId,
     pub execution_id: ExecutionId,
     pub stage_index: i32,
+    pub item_index: i32,
 }
 
 /// Completes a running attempt without touching its group (strategies that re-count).
@@ -151,13 +152,55 @@ pub(crate) async fn complete_plain(
         "UPDATE confluo.task
             SET status = 'completed', output = $3, finished_at = now(), lease_expires_at = NULL
           WHERE id = $1 AND lease_token = $2 AND status = 'running'
-      RETURNING group_id, execution_id, stage_index",
+      RETURNING group_id, execution_id, stage_index, item_index",
     )
     .bind(id)
     .bind(token)
     .bind(Json(output))
     .fetch_optional(conn)
     .await?)
+}
+
+/// Completes a running attempt and counts down its stripe, in one statement. The
+/// stripe's new count is `None` only if the group has no stripe for it (never, for a
+/// striped group).
+pub(crate) async fn complete_striping(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    output: &Value,
+) -> Result<Option<StripeRow>> {
+    Ok(sqlx::query_as(
+        "WITH done AS (
+            UPDATE confluo.task
+               SET status = 'completed', output = $3, finished_at = now(), lease_expires_at = NULL
+             WHERE id = $1 AND lease_token = $2 AND status = 'running'
+         RETURNING group_id, execution_id, stage_index, item_index
+         ), counted AS (
+            UPDATE confluo.group_stripe s
+               SET remaining = s.remaining - 1
+              FROM done, confluo.stage_group g
+             WHERE g.id = done.group_id AND s.group_id = done.group_id
+               AND s.stripe = done.item_index % g.stripes
+         RETURNING s.remaining
+         )
+         SELECT done.group_id, done.execution_id, done.stage_index, counted.remaining
+           FROM done LEFT JOIN counted ON true",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(Json(output))
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// A completion counted on its stripe.
+#[derive(Debug, Clone, Copy, FromRow)]
+pub(crate) struct StripeRow {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+    pub remaining: Option<i32>,
 }
 
 /// Locks the execution row as the classic row-lock fan-in does (`FOR UPDATE`).
@@ -195,7 +238,8 @@ pub(crate) struct FailedRow {
     pub attempt: i32,
     pub group_id: GroupId,
     pub stage_index: i32,
-    /// What the failure left on a counting group's counter (NULL for other strategies,
+    pub item_index: i32,
+    /// What the failure left on a countdown group's counter (NULL for other strategies,
     /// and when the attempt will be retried).
     pub remaining: Option<i32>,
 }
@@ -234,17 +278,17 @@ pub(crate) async fn fail_counting_down(
                      WHERE y.id = $1) v
              WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
                AND (NOT $5 OR t.lease_expires_at < now())
-         RETURNING t.group_id, t.stage_index, t.status, t.run_at, t.attempt
+         RETURNING t.group_id, t.stage_index, t.item_index, t.status, t.run_at, t.attempt
          ), counted AS (
             UPDATE confluo.stage_group g
                SET remaining = g.remaining - 1
               FROM failed
              WHERE g.id = failed.group_id AND failed.status <> 'pending'
-               AND g.remaining IS NOT NULL
+               AND g.fan_in = 'countdown'
          RETURNING g.remaining
          )
          SELECT failed.status, failed.run_at, failed.attempt,
-                failed.group_id, failed.stage_index, counted.remaining
+                failed.group_id, failed.stage_index, failed.item_index, counted.remaining
            FROM failed LEFT JOIN counted ON true",
     )
     .bind(id)
@@ -256,28 +300,23 @@ pub(crate) async fn fail_counting_down(
     .await?)
 }
 
-/// Cancels a claimed attempt whose execution has stopped, decrementing its group.
+/// Cancels a claimed attempt whose execution has stopped. Its group is counted down by
+/// the caller, as its strategy says.
 pub(crate) async fn cancel_claimed(
     conn: &mut PgConnection,
     id: TaskId,
     token: LeaseToken,
-) -> Result<bool> {
-    let rows = sqlx::query(
-        "WITH c AS (
-            UPDATE confluo.task
-               SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL
-             WHERE id = $1 AND lease_token = $2 AND status = 'running'
-         RETURNING group_id
-         )
-         UPDATE confluo.stage_group g SET remaining = g.remaining - 1
-           FROM c WHERE g.id = c.group_id",
+) -> Result<Option<MemberRow>> {
+    Ok(sqlx::query_as(
+        "UPDATE confluo.task
+            SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL
+          WHERE id = $1 AND lease_token = $2 AND status = 'running'
+      RETURNING group_id, execution_id, stage_index, item_index",
     )
     .bind(id)
     .bind(token)
-    .execute(conn)
-    .await?
-    .rows_affected();
-    Ok(rows == 1)
+    .fetch_optional(conn)
+    .await?)
 }
 
 /// Gives a claimed task back without counting the attempt (graceful shutdown).

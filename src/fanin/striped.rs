@@ -1,0 +1,44 @@
+//! The striped countdown: the group's count is spread over stripe rows. A completion
+//! counts down its stripe in the statement that writes its status; the one arrival that
+//! drains a stripe counts down the group row (which counts undrained stripes), and the one
+//! that takes the group row to zero fires. Both decrements are serialized by row locks, so
+//! exactly one arrival sees zero, as with a single countdown row, but concurrent
+//! finishers mostly lock different stripes.
+
+use serde_json::Value;
+use sqlx::PgConnection;
+
+use super::{Arrival, Member};
+use crate::error::Result;
+use crate::ids::{LeaseToken, TaskId};
+use crate::store::{groups, tasks};
+
+pub(super) async fn complete(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    output: &Value,
+) -> Result<Option<Arrival>> {
+    let Some(row) = tasks::complete_striping(conn, id, token, output).await? else {
+        return Ok(None);
+    };
+    let last = match row.remaining {
+        Some(0) => groups::count_down(conn, row.group_id).await? == 0,
+        _ => false,
+    };
+    Ok(Some(Arrival {
+        group_id: row.group_id,
+        execution_id: row.execution_id,
+        stage_index: row.stage_index,
+        last,
+    }))
+}
+
+/// Counts a terminal member down on its stripe, and on the group when the stripe
+/// drains; true if that took the group to zero.
+pub(super) async fn count_down(conn: &mut PgConnection, member: Member) -> Result<bool> {
+    if groups::count_down_stripe(conn, member.group_id, member.item_index).await? > 0 {
+        return Ok(false);
+    }
+    Ok(groups::count_down(conn, member.group_id).await? == 0)
+}
