@@ -8,7 +8,7 @@ use crate::engine::Engine;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
-use crate::store::{self, executions, groups, groups::MemberSource};
+use crate::store::{executions, groups, groups::MemberSource};
 
 /// Fires a group whose countdown reached zero: dispatches the next stage, or completes
 /// the execution after the last one. Returns whether it dispatched (false when the
@@ -20,10 +20,11 @@ pub(crate) async fn fire(
     group_id: GroupId,
     stage_index: i32,
 ) -> Result<bool> {
-    let Some(execution) = executions::lock_for_transition(conn, execution_id).await? else {
+    let Some(execution) = executions::lock_and_mark_fired(conn, execution_id, group_id).await?
+    else {
         return Ok(false);
     };
-    if execution.status != "running" || !groups::mark_fired(conn, group_id).await? {
+    if !execution.fired {
         return Ok(false);
     }
     let workflow = engine
@@ -83,9 +84,8 @@ pub(crate) async fn enter(
             fan_in,
         )
         .await?;
-        executions::set_stage(conn, execution_id, index as i32).await?;
         if width > 0 {
-            return store::notify_tasks(conn).await;
+            return Ok(());
         }
         groups::mark_fired(conn, group_id).await?;
         previous = Some((group_id, stage.kind().as_str()));

@@ -266,14 +266,7 @@ impl Engine {
         let stages = executions::stages(pool, id).await?;
         let status = ExecutionStatus::parse(&row.status);
         let output = match (status, row.output_group) {
-            (ExecutionStatus::Completed, Some(group)) => {
-                let kind = stages
-                    .iter()
-                    .find(|s| s.id == group)
-                    .map(|s| s.kind.as_str())
-                    .unwrap_or("step");
-                Some(groups::output(pool, group, kind).await?)
-            }
+            (ExecutionStatus::Completed, Some(group)) => Some(groups::output(pool, group).await?),
             _ => None,
         };
         let dead_letters = executions::dead_tasks(pool, id, 100)

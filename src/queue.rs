@@ -158,10 +158,9 @@ impl Engine {
                 .ok_or(Error::ExecutionNotFound(task.execution_id))?;
             return Ok(row.input.0);
         }
-        match tasks::previous_group(&mut conn, task.execution_id, task.stage_index as i32).await? {
-            Some((group, kind)) => groups::output(&mut *conn, group, &kind).await,
-            None => Err(Error::ExecutionNotFound(task.execution_id)),
-        }
+        groups::stage_output(&mut *conn, task.execution_id, task.stage_index as i32 - 1)
+            .await?
+            .ok_or(Error::ExecutionNotFound(task.execution_id))
     }
 
     /// Extends the lease of a running attempt. Returns the execution's status, or `None`

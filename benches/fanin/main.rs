@@ -46,6 +46,7 @@ fn parse_args() -> anyhow::Result<Args> {
         modes: vec![
             Mode::Floor,
             Mode::Strategy(FanInStrategy::Countdown),
+            Mode::Strategy(FanInStrategy::Striped),
             Mode::Strategy(FanInStrategy::RowLock),
             Mode::Strategy(FanInStrategy::NaiveRecount),
         ],
@@ -75,7 +76,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "-h" | "--help" => {
                 println!(
                     "fanin bench [--quick] [--widths 10,100,...] [--finishers 1,8,...] \
-                     [--strategies floor,countdown,row_lock,naive] [--budget SECONDS per scenario]"
+                     [--strategies floor,countdown,striped,row_lock,naive] [--budget SECONDS per scenario]"
                 );
                 std::process::exit(0);
             }

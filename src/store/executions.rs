@@ -66,42 +66,50 @@ pub(crate) async fn insert(
     Ok((existing, false))
 }
 
-/// What a stage transition needs of its execution.
+/// Locks the execution row as a stage transition does, to take locks in the order a
+/// transition would (execution before group).
+pub(crate) async fn lock_for_transition(conn: &mut PgConnection, id: ExecutionId) -> Result<()> {
+    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(id)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// An execution locked for a transition, and whether the group's fired marker was set.
 #[derive(Debug, Clone, FromRow)]
-pub(crate) struct TransitionRow {
-    pub status: String,
+pub(crate) struct FiringRow {
     pub workflow_name: String,
     pub workflow_version: i32,
     /// The default fan-in strategy recorded when the execution started.
     pub fan_in: String,
+    /// True for the one caller that fires the group, if the execution is running.
+    pub fired: bool,
 }
 
-/// Locks the execution row for a stage transition. Taken once per stage transition
-/// (never per member completion), so that a transition and a cancel or failure of the
-/// execution are serialized.
-pub(crate) async fn lock_for_transition(
+/// Locks the execution row for the transition and sets the group's fired marker (a second
+/// guard behind every strategy's decision) if the execution is running, in one statement.
+pub(crate) async fn lock_and_mark_fired(
     conn: &mut PgConnection,
     id: ExecutionId,
-) -> Result<Option<TransitionRow>> {
+    group_id: GroupId,
+) -> Result<Option<FiringRow>> {
     Ok(sqlx::query_as(
-        "SELECT status, workflow_name, workflow_version, fan_in FROM confluo.execution
-          WHERE id = $1 FOR NO KEY UPDATE",
+        "WITH e AS (
+            SELECT status, workflow_name, workflow_version, fan_in FROM confluo.execution
+             WHERE id = $1 FOR NO KEY UPDATE
+         ), marked AS (
+            UPDATE confluo.stage_group SET fired_at = now()
+             WHERE id = $2 AND fired_at IS NULL AND (SELECT status FROM e) = 'running'
+         RETURNING id
+         )
+         SELECT e.workflow_name, e.workflow_version, e.fan_in, EXISTS (SELECT 1 FROM marked) AS fired
+           FROM e",
     )
     .bind(id)
+    .bind(group_id)
     .fetch_optional(conn)
     .await?)
-}
-
-/// Records that the execution entered a stage.
-pub(crate) async fn set_stage(conn: &mut PgConnection, id: ExecutionId, stage: i32) -> Result<()> {
-    sqlx::query(
-        "UPDATE confluo.execution SET current_stage = $2, updated_at = now() WHERE id = $1",
-    )
-    .bind(id)
-    .bind(stage)
-    .execute(conn)
-    .await?;
-    Ok(())
 }
 
 /// Completes a running execution; its output is read by reference from `output_group`.

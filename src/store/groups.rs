@@ -27,8 +27,10 @@ const MEMBERS_PER_STRIPE: i64 = 16;
 /// ...and at most this many stripes.
 const MAX_STRIPES: i64 = 256;
 
-/// Creates a stage's countdown row (and stripes) and all its members in one statement, so that the group
-/// is never visible without its tasks. Returns the width.
+/// Creates a stage's countdown row (and stripes) and all its members in one statement, so
+/// that the group is never visible without its tasks; in the same statement, records the
+/// execution's current stage and, if there are members, wakes the workers (at commit).
+/// Returns the width.
 pub(crate) async fn create_stage(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
@@ -86,6 +88,9 @@ pub(crate) async fn create_stage(
              WHERE $15 = 'striped'
              GROUP BY 2
          ),
+         moved AS (
+            UPDATE confluo.execution SET current_stage = $3, updated_at = now() WHERE id = $2
+         ),
          t AS (
             INSERT INTO confluo.task
                    (id, execution_id, group_id, workflow_name, workflow_version, stage_index,
@@ -95,7 +100,8 @@ pub(crate) async fn create_stage(
                    src.input, $8, $9, $10, $11, $12, $13
               FROM src
          )
-         SELECT width FROM g"
+         SELECT g.width FROM g
+           LEFT JOIN LATERAL (SELECT pg_notify($18, '') WHERE g.width > 0) woken ON true"
     );
     let retry = stage.retry_policy();
     let query = sqlx::query_scalar::<_, i32>(&sql)
@@ -121,7 +127,8 @@ pub(crate) async fn create_stage(
     let query = query
         .bind(fan_in.as_str())
         .bind(MAX_STRIPES)
-        .bind(MEMBERS_PER_STRIPE);
+        .bind(MEMBERS_PER_STRIPE)
+        .bind(crate::store::TASKS_CHANNEL);
     Ok(query.fetch_one(conn).await?)
 }
 
@@ -169,39 +176,67 @@ pub(crate) async fn count_down_stripe(
 
 /// The output of a group as the next stage sees it: a step's own output; for a map
 /// `{"outputs": [..successful outputs in item order..], "failed": [..]}`; for a parallel
-/// block `{"outputs": {branch: output}, "failed": [..]}`.
-pub(crate) async fn output<'e, E>(executor: E, group_id: GroupId, kind: &str) -> Result<Value>
-where
-    E: sqlx::PgExecutor<'e>,
-{
+/// block `{"outputs": {branch: output}, "failed": [..]}`. One statement over the groups
+/// that `group_filter` selects (as `g`).
+fn output_sql(group_filter: &str) -> String {
     let failed = |branch: &str| {
         format!(
             "COALESCE(jsonb_agg(jsonb_build_object(
-                'index', item_index, 'branch', {branch}, 'status', status, 'attempts', attempt,
-                'error', errors -> -1 ->> 'error') ORDER BY item_index)
-            FILTER (WHERE status <> 'completed'), '[]'::jsonb)"
+                'index', t.item_index, 'branch', {branch}, 'status', t.status,
+                'attempts', t.attempt, 'error', t.errors -> -1 ->> 'error') ORDER BY t.item_index)
+              FILTER (WHERE t.status <> 'completed'), '[]'::jsonb)"
         )
     };
-    let sql = match kind {
-        "step" => "SELECT COALESCE(output, 'null'::jsonb) FROM confluo.task WHERE group_id = $1 LIMIT 1".to_owned(),
-        "parallel" => format!(
-            "SELECT jsonb_build_object(
-                'outputs', COALESCE(jsonb_object_agg(handler, output) FILTER (WHERE status = 'completed'), '{{}}'::jsonb),
-                'failed', {})
-               FROM confluo.task WHERE group_id = $1",
-            failed("handler")
-        ),
-        _ => format!(
-            "SELECT jsonb_build_object(
-                'outputs', COALESCE(jsonb_agg(output ORDER BY item_index) FILTER (WHERE status = 'completed'), '[]'::jsonb),
-                'failed', {})
-               FROM confluo.task WHERE group_id = $1",
-            failed("NULL")
-        ),
-    };
-    let value: Option<Value> = sqlx::query_scalar(&sql)
+    format!(
+        "SELECT CASE g.kind
+            WHEN 'step' THEN (
+                SELECT COALESCE(t.output, 'null'::jsonb) FROM confluo.task t
+                 WHERE t.group_id = g.id LIMIT 1)
+            WHEN 'parallel' THEN (
+                SELECT jsonb_build_object(
+                    'outputs', COALESCE(jsonb_object_agg(t.handler, t.output)
+                                        FILTER (WHERE t.status = 'completed'), '{{}}'::jsonb),
+                    'failed', {})
+                  FROM confluo.task t WHERE t.group_id = g.id)
+            ELSE (
+                SELECT jsonb_build_object(
+                    'outputs', COALESCE(jsonb_agg(t.output ORDER BY t.item_index)
+                                        FILTER (WHERE t.status = 'completed'), '[]'::jsonb),
+                    'failed', {})
+                  FROM confluo.task t WHERE t.group_id = g.id)
+            END
+           FROM confluo.stage_group g WHERE {group_filter}",
+        failed("t.handler"),
+        failed("NULL")
+    )
+}
+
+/// The output of one group.
+pub(crate) async fn output<'e, E>(executor: E, group_id: GroupId) -> Result<Value>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let value: Option<Value> = sqlx::query_scalar(&output_sql("g.id = $1"))
         .bind(group_id)
         .fetch_optional(executor)
         .await?;
     Ok(value.unwrap_or(Value::Null))
+}
+
+/// The output of an execution's stage, if the stage was entered.
+pub(crate) async fn stage_output<'e, E>(
+    executor: E,
+    execution_id: ExecutionId,
+    stage_index: i32,
+) -> Result<Option<Value>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(
+        sqlx::query_scalar(&output_sql("g.execution_id = $1 AND g.stage_index = $2"))
+            .bind(execution_id)
+            .bind(stage_index)
+            .fetch_optional(executor)
+            .await?,
+    )
 }

@@ -55,12 +55,3 @@ async fn migrate_on(conn: &mut PgConnection) -> Result<()> {
         .await?;
     result
 }
-
-/// Queues a wake-up for workers; delivered only if the transaction commits.
-pub(crate) async fn notify_tasks(conn: &mut PgConnection) -> Result<()> {
-    sqlx::query("SELECT pg_notify($1, '')")
-        .bind(TASKS_CHANNEL)
-        .execute(conn)
-        .await?;
-    Ok(())
-}

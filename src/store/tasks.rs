@@ -380,18 +380,3 @@ pub(crate) async fn expired_leases(conn: &mut PgConnection, limit: i64) -> Resul
     .fetch_all(conn)
     .await?)
 }
-
-/// The group of the stage before `stage_index` (its output is this stage's input).
-pub(crate) async fn previous_group(
-    conn: &mut PgConnection,
-    execution_id: ExecutionId,
-    stage_index: i32,
-) -> Result<Option<(GroupId, String)>> {
-    Ok(sqlx::query_as(
-        "SELECT id, kind FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = $2",
-    )
-    .bind(execution_id)
-    .bind(stage_index - 1)
-    .fetch_optional(conn)
-    .await?)
-}
