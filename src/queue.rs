@@ -86,7 +86,7 @@ pub enum Outcome {
 }
 
 /// How many times a transaction that lost a deadlock is repeated.
-const CONFLICT_RETRIES: u32 = 5;
+pub(crate) const CONFLICT_RETRIES: u32 = 5;
 
 impl Engine {
     /// Claims up to `limit` due tasks of any workflow for `lease`.
@@ -196,6 +196,21 @@ impl Engine {
     /// # Cancel safety
     /// One transaction: dropped before the commit, nothing is recorded.
     pub async fn complete(&self, task: &ClaimedTask, output: Value) -> Result<Outcome> {
+        self.check_output(task, &output).await?;
+        let mut conflicts = 0;
+        loop {
+            match self.complete_once(task, &output).await {
+                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Refuses an output that cannot feed the next stage: a step before a map must return
+    /// an array.
+    pub(crate) async fn check_output(&self, task: &ClaimedTask, output: &Value) -> Result<()> {
         let workflow = match self.cached_definition(&task.workflow, task.workflow_version) {
             Some(workflow) => workflow,
             None => {
@@ -221,15 +236,7 @@ impl Engine {
                 ),
             });
         }
-        let mut conflicts = 0;
-        loop {
-            match self.complete_once(task, &output).await {
-                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
-                    conflicts += 1
-                }
-                other => return other,
-            }
-        }
+        Ok(())
     }
 
     async fn complete_once(&self, task: &ClaimedTask, output: &Value) -> Result<Outcome> {
@@ -432,7 +439,7 @@ impl Engine {
     }
 
     /// Why a guarded transition matched nothing.
-    async fn explain_no_match(&self, id: TaskId, lease: LeaseToken) -> Result<Outcome> {
+    pub(crate) async fn explain_no_match(&self, id: TaskId, lease: LeaseToken) -> Result<Outcome> {
         let mut conn = self.pool().acquire().await?;
         match tasks::status_and_token(&mut conn, id).await? {
             None => Err(Error::TaskNotFound(id)),

@@ -399,3 +399,114 @@ async fn naive_recount_stalls_under_simultaneous_finish() {
         "no stall in {rounds} rounds of simultaneous finish"
     );
 }
+
+/// Batches of consecutive members (sharing stripes and the group) acknowledged by
+/// concurrent connections: still exactly one fire, and the counter matches the members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batched_acknowledgements_fire_exactly_once() {
+    for strategy in STRATEGIES {
+        let db = TestDb::new(12).await;
+        let wf = wide(&db, RetryPolicy::default(), strategy).await;
+        for round in 0..5 {
+            let input: Vec<usize> = (0..300).collect();
+            let id = db.engine.start(&wf, &input).await.unwrap();
+            let tasks = Arc::new(claim_all(&db.engine, 300).await);
+            let barrier = Arc::new(Barrier::new(8));
+            let mut handles = Vec::new();
+            for f in 0..8 {
+                let (engine, barrier, tasks) = (db.engine.clone(), barrier.clone(), tasks.clone());
+                handles.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    let mut outcomes = Vec::new();
+                    // Finisher f takes batches f, f + 8, f + 16, ... of 8 consecutive members.
+                    for batch in tasks.chunks(8).skip(f).step_by(8) {
+                        let items: Vec<_> =
+                            batch.iter().map(|t| (t, json!(t.item_index))).collect();
+                        outcomes.extend(engine.complete_batch(&items).await.unwrap());
+                    }
+                    outcomes
+                }));
+            }
+            let mut outcomes = Vec::new();
+            for h in handles {
+                outcomes.extend(h.await.unwrap());
+            }
+            assert_eq!(outcomes.len(), 300);
+            let fired = outcomes
+                .iter()
+                .filter(|o| matches!(o, Outcome::Completed { fired: true }))
+                .count();
+            assert_eq!(fired, 1, "{strategy} round {round}");
+            let (groups, next_tasks, open, marked) = after_state(&db, id).await;
+            assert_eq!(
+                (groups, next_tasks, open, marked),
+                (1, 1, 0, true),
+                "{strategy} round {round}"
+            );
+            let after = claim_all(&db.engine, 1).await;
+            let input = db.engine.task_input(&after[0]).await.unwrap();
+            assert_eq!(input["outputs"][299], json!(299));
+            db.engine.complete(&after[0], json!(null)).await.unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_records_what_it_holds_and_changes_nothing_else() {
+    for strategy in STRATEGIES {
+        let db = TestDb::new(8).await;
+        let wf = wide(
+            &db,
+            RetryPolicy::exponential(3).backoff(Duration::ZERO, Duration::ZERO),
+            strategy,
+        )
+        .await;
+        let id = db.engine.start(&wf, &[1, 2, 3, 4]).await.unwrap();
+        let stale = db
+            .engine
+            .claim("z", 1, Duration::from_millis(50))
+            .await
+            .unwrap()
+            .remove(0);
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert_eq!(db.engine.reclaim_expired(10).await.unwrap(), 1);
+        let tasks = claim_all(&db.engine, 4).await;
+        let first = db.engine.complete(&tasks[0], json!("a")).await.unwrap();
+        assert_eq!(first, Outcome::Completed { fired: false });
+        // A replay, a zombie, the same member twice, and one fresh completion.
+        let items = [
+            (&tasks[0], json!("a")),
+            (&stale, json!("zombie")),
+            (&tasks[1], json!("b")),
+            (&tasks[1], json!("b")),
+        ];
+        let outcomes = db.engine.complete_batch(&items).await.unwrap();
+        assert_eq!(
+            outcomes,
+            [
+                Outcome::AlreadyRecorded,
+                Outcome::LeaseLost, // its attempt was reclaimed
+                Outcome::Completed { fired: false },
+                Outcome::AlreadyRecorded
+            ],
+            "{strategy}"
+        );
+        let (_, _, open, _) = after_state(&db, id).await;
+        assert_eq!(open, 2, "{strategy}");
+        let rest = [(&tasks[2], json!("c")), (&tasks[3], json!("d"))];
+        assert_eq!(
+            db.engine.complete_batch(&rest).await.unwrap(),
+            [
+                Outcome::Completed { fired: false },
+                Outcome::Completed { fired: true }
+            ],
+            "{strategy}"
+        );
+        let (groups, next_tasks, open, marked) = after_state(&db, id).await;
+        assert_eq!(
+            (groups, next_tasks, open, marked),
+            (1, 1, 0, true),
+            "{strategy}"
+        );
+    }
+}

@@ -6,6 +6,7 @@
 //! learns it was the last fires the group and dispatches the next stage before it commits
 //! ([`crate::dispatch`]).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -15,6 +16,8 @@ use sqlx::PgConnection;
 
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+use crate::store::groups;
+use crate::store::tasks::CompletedRow;
 
 mod countdown;
 #[cfg(feature = "naive-fan-in")]
@@ -95,6 +98,54 @@ impl FanInStrategy {
             FanInStrategy::RowLock => row_lock::decide(conn, execution_id, group_id).await,
             #[cfg(feature = "naive-fan-in")]
             FanInStrategy::NaiveRecount => naive::decide(conn, group_id).await,
+        }
+    }
+}
+
+/// Counts the arrivals of one batch that `strategy` decides (completed together in this
+/// transaction), with one decrement per group or stripe; returns the groups whose last
+/// arrival was in the batch.
+pub(crate) async fn count_batch(
+    strategy: FanInStrategy,
+    conn: &mut PgConnection,
+    members: &[CompletedRow],
+) -> Result<Vec<GroupId>> {
+    let mut per_group: BTreeMap<GroupId, (ExecutionId, i32)> = BTreeMap::new();
+    for m in members {
+        per_group.entry(m.group_id).or_insert((m.execution_id, 0)).1 += 1;
+    }
+    match strategy {
+        FanInStrategy::Countdown => {
+            let (groups, counts): (Vec<_>, Vec<_>) =
+                per_group.iter().map(|(g, (_, n))| (*g, *n)).unzip();
+            groups::count_down_many(conn, &groups, &counts).await
+        }
+        FanInStrategy::Striped => {
+            let (groups, items): (Vec<_>, Vec<_>) =
+                members.iter().map(|m| (m.group_id, m.item_index)).unzip();
+            let drained = groups::count_down_stripes_many(conn, &groups, &items).await?;
+            let (groups, counts): (Vec<_>, Vec<_>) =
+                drained.into_iter().filter(|(_, n)| *n > 0).unzip();
+            groups::count_down_many(conn, &groups, &counts).await
+        }
+        FanInStrategy::RowLock => {
+            let mut last = Vec::new();
+            for (group, (execution, _)) in per_group {
+                if row_lock::decide(conn, execution, group).await? {
+                    last.push(group);
+                }
+            }
+            Ok(last)
+        }
+        #[cfg(feature = "naive-fan-in")]
+        FanInStrategy::NaiveRecount => {
+            let mut last = Vec::new();
+            for group in per_group.into_keys() {
+                if naive::decide(conn, group).await? {
+                    last.push(group);
+                }
+            }
+            Ok(last)
         }
     }
 }

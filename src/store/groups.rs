@@ -174,6 +174,70 @@ pub(crate) async fn count_down_stripe(
     .await?)
 }
 
+/// Counts each group down by its number of arrivals, in one statement; returns the groups
+/// it took to zero.
+pub(crate) async fn count_down_many(
+    conn: &mut PgConnection,
+    groups: &[GroupId],
+    arrivals: &[i32],
+) -> Result<Vec<GroupId>> {
+    Ok(sqlx::query_scalar::<_, Option<GroupId>>(
+        "WITH v AS (
+            SELECT * FROM unnest($1::uuid[], $2::int[]) AS v(id, n)
+         ), locked AS (
+            -- In one order for every batch, so that batches sharing groups cannot deadlock.
+            SELECT g.id FROM confluo.stage_group g JOIN v ON v.id = g.id
+             ORDER BY g.id FOR NO KEY UPDATE OF g
+         )
+         UPDATE confluo.stage_group g SET remaining = g.remaining - v.n
+           FROM v, (SELECT count(*) FROM locked) l
+          WHERE g.id = v.id
+      RETURNING CASE WHEN g.remaining = 0 THEN g.id END",
+    )
+    .bind(groups)
+    .bind(arrivals)
+    .fetch_all(conn)
+    .await?
+    .into_iter()
+    .flatten()
+    .collect())
+}
+
+/// Counts members down on their stripes, one decrement per stripe, in one statement;
+/// returns, per group, how many of its stripes drained.
+pub(crate) async fn count_down_stripes_many(
+    conn: &mut PgConnection,
+    groups: &[GroupId],
+    item_indexes: &[i32],
+) -> Result<Vec<(GroupId, i32)>> {
+    Ok(sqlx::query_as(
+        "WITH m AS (
+            SELECT * FROM unnest($1::uuid[], $2::int[]) AS m(group_id, item_index)
+         ), per_stripe AS (
+            SELECT m.group_id, m.item_index % g.stripes AS stripe, count(*)::int AS n
+              FROM m JOIN confluo.stage_group g ON g.id = m.group_id
+             GROUP BY 1, 2
+         ), locked AS (
+            -- In one order for every batch, so that batches sharing stripes cannot deadlock.
+            SELECT s.group_id, s.stripe FROM confluo.group_stripe s
+              JOIN per_stripe p ON s.group_id = p.group_id AND s.stripe = p.stripe
+             ORDER BY s.group_id, s.stripe
+               FOR NO KEY UPDATE OF s
+         ), counted AS (
+            UPDATE confluo.group_stripe s SET remaining = s.remaining - p.n
+              FROM per_stripe p, (SELECT count(*) FROM locked) l
+             WHERE s.group_id = p.group_id AND s.stripe = p.stripe
+         RETURNING s.group_id, s.remaining
+         )
+         SELECT group_id, count(*) FILTER (WHERE remaining = 0)::int
+           FROM counted GROUP BY group_id",
+    )
+    .bind(groups)
+    .bind(item_indexes)
+    .fetch_all(conn)
+    .await?)
+}
+
 /// The output of a group as the next stage sees it: a step's own output; for a map
 /// `{"outputs": [..successful outputs in item order..], "failed": [..]}`; for a parallel
 /// block `{"outputs": {branch: output}, "failed": [..]}`. One statement over the groups

@@ -380,3 +380,36 @@ pub(crate) async fn expired_leases(conn: &mut PgConnection, limit: i64) -> Resul
     .fetch_all(conn)
     .await?)
 }
+
+/// Completes many running attempts in one statement, each guarded by its own lease token,
+/// without touching their groups. Returns the members it completed.
+pub(crate) async fn complete_many(
+    conn: &mut PgConnection,
+    ids: &[TaskId],
+    tokens: &[LeaseToken],
+    outputs: &[Json<&Value>],
+) -> Result<Vec<CompletedRow>> {
+    Ok(sqlx::query_as(
+        "UPDATE confluo.task t
+            SET status = 'completed', output = i.output, finished_at = now(),
+                lease_expires_at = NULL
+           FROM unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
+          WHERE t.id = i.id AND t.lease_token = i.token AND t.status = 'running'
+      RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .bind(outputs)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// A member completed by a batch.
+#[derive(Debug, Clone, Copy, FromRow)]
+pub(crate) struct CompletedRow {
+    pub id: TaskId,
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+    pub item_index: i32,
+}

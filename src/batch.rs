@@ -1,0 +1,102 @@
+//! Acknowledging completions in batches: several members in one transaction, each group
+//! (or stripe) counted down once per batch, so one lock-holding commit carries many
+//! arrivals.
+
+use std::collections::{HashMap, HashSet};
+
+use serde_json::Value;
+use sqlx::types::Json;
+
+use crate::dispatch;
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::fanin::{self, FanInStrategy};
+use crate::ids::{GroupId, LeaseToken, TaskId};
+use crate::queue::{ClaimedTask, Outcome, CONFLICT_RETRIES};
+use crate::store::tasks::{self, CompletedRow};
+
+impl Engine {
+    /// Records several successful attempts in one transaction. Each group (or stripe) is
+    /// counted down once for all its members in the batch, and a group whose last
+    /// arrival is in the batch fires before the commit, as with
+    /// [`complete`](Self::complete). Batches whose members share a group, or a stripe,
+    /// make the most of it: the group's row is locked once per batch instead of once per
+    /// member.
+    ///
+    /// Returns one outcome per item, in order: [`Outcome::Completed`] (with `fired` on one
+    /// member of each group that fired), or, for an item that was replayed or whose
+    /// lease is lost, [`Outcome::AlreadyRecorded`] / [`Outcome::LeaseLost`]; those change
+    /// nothing and do not hold the others back.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOutput`](crate::Error::InvalidOutput) if any output cannot feed
+    /// its next stage (then nothing is recorded); [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// One transaction: dropped before the commit, nothing is recorded.
+    pub async fn complete_batch(&self, items: &[(&ClaimedTask, Value)]) -> Result<Vec<Outcome>> {
+        for (task, output) in items {
+            self.check_output(task, output).await?;
+        }
+        let mut conflicts = 0;
+        loop {
+            match self.complete_batch_once(items).await {
+                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn complete_batch_once(&self, items: &[(&ClaimedTask, Value)]) -> Result<Vec<Outcome>> {
+        let ids: Vec<TaskId> = items.iter().map(|(t, _)| t.id).collect();
+        let tokens: Vec<LeaseToken> = items.iter().map(|(t, _)| t.lease).collect();
+        let outputs: Vec<Json<&Value>> = items.iter().map(|(_, o)| Json(o)).collect();
+        let strategy_of: HashMap<TaskId, FanInStrategy> =
+            items.iter().map(|(t, _)| (t.id, t.fan_in)).collect();
+
+        let mut tx = self.pool().begin().await?;
+        let done = tasks::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
+        let mut by_strategy: HashMap<FanInStrategy, Vec<CompletedRow>> = HashMap::new();
+        for row in &done {
+            by_strategy
+                .entry(strategy_of[&row.id])
+                .or_default()
+                .push(*row);
+        }
+        let mut fired_groups = HashSet::new();
+        for (strategy, members) in &by_strategy {
+            for group in fanin::count_batch(*strategy, &mut tx, members).await? {
+                let m = members
+                    .iter()
+                    .find(|m| m.group_id == group)
+                    .expect("a member of it");
+                if dispatch::fire(self, &mut tx, m.execution_id, group, m.stage_index).await? {
+                    fired_groups.insert(group);
+                }
+            }
+        }
+        tx.commit().await?;
+
+        // `fired` goes to the batch's last member of each group that fired.
+        let group_of: HashMap<TaskId, GroupId> = done.iter().map(|r| (r.id, r.group_id)).collect();
+        let mut first_of: HashMap<TaskId, usize> = HashMap::new();
+        for (i, (task, _)) in items.iter().enumerate() {
+            first_of.entry(task.id).or_insert(i);
+        }
+        let mut credited = HashSet::new();
+        let mut outcomes = vec![Outcome::LeaseLost; items.len()];
+        for (i, (task, _)) in items.iter().enumerate().rev() {
+            outcomes[i] = match group_of.get(&task.id) {
+                // The same acknowledgement twice in one batch: the second is a replay.
+                Some(_) if first_of[&task.id] != i => Outcome::AlreadyRecorded,
+                Some(group) => Outcome::Completed {
+                    fired: fired_groups.contains(group) && credited.insert(*group),
+                },
+                None => self.explain_no_match(task.id, task.lease).await?,
+            };
+        }
+        Ok(outcomes)
+    }
+}
