@@ -29,6 +29,7 @@ struct Args {
     finishers: Vec<usize>,
     modes: Vec<Mode>,
     budget: Duration,
+    batch: usize,
     quick: bool,
 }
 
@@ -51,6 +52,7 @@ fn parse_args() -> anyhow::Result<Args> {
             Mode::Strategy(FanInStrategy::NaiveRecount),
         ],
         budget: Duration::from_secs(20),
+        batch: 1,
         quick: false,
     };
     let mut it = std::env::args().skip(1);
@@ -73,10 +75,12 @@ fn parse_args() -> anyhow::Result<Args> {
                     .collect::<anyhow::Result<_>>()?
             }
             "--budget" => args.budget = Duration::from_secs_f64(value()?.parse()?),
+            "--batch" => args.batch = value()?.parse::<usize>()?.max(1),
             "-h" | "--help" => {
                 println!(
                     "fanin bench [--quick] [--widths 10,100,...] [--finishers 1,8,...] \
-                     [--strategies floor,countdown,striped,row_lock,naive] [--budget SECONDS per scenario]"
+                     [--strategies floor,countdown,striped,row_lock,naive] [--budget SECONDS per scenario] \
+                     [--batch N: completions per transaction, the floor's included]"
                 );
                 std::process::exit(0);
             }
@@ -139,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
         pool: &pool,
         started: &started,
         budget: args.budget,
+        batch: args.batch,
     };
     let mut results = Vec::new();
     for &width in &args.widths {

@@ -40,8 +40,8 @@ impl Report {
         let _ =
             writeln!(
             out,
-            "{:>7} {:>4} {:<10} {:>10} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>6} {:>6} {:>4}",
-            "width", "fin", "strategy", "compl/s", "x floor", "x rowlk", "lat p50", "lat p99",
+            "{:>7} {:>4} {:>3} {:<10} {:>10} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>6} {:>6} {:>4}",
+            "width", "fin", "ack", "strategy", "compl/s", "x floor", "x rowlk", "lat p50", "lat p99",
             "fanin p50", "fanin p99", "block s", "stalls", "double", "cut"
         );
         let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2}ms"));
@@ -49,9 +49,10 @@ impl Report {
         for r in &self.results {
             let _ = writeln!(
                 out,
-                "{:>7} {:>4} {:<10} {:>10.0} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8.2} {:>6} {:>6} {:>4}",
+                "{:>7} {:>4} {:>3} {:<10} {:>10.0} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8.2} {:>6} {:>6} {:>4}",
                 r.width,
                 r.finishers,
+                r.batch,
                 r.mode.to_string(),
                 r.rate,
                 ratio(r.rate, self.rate_of(r, "floor")),
@@ -75,16 +76,17 @@ impl Report {
             serde_json::to_string_pretty(&self.results)?,
         )?;
         let mut csv = String::from(
-            "width,finishers,strategy,blocks,completions,rate,ratio_floor,ratio_row_lock,latency_p50_ms,\
+            "width,finishers,batch,strategy,blocks,completions,rate,ratio_floor,ratio_row_lock,latency_p50_ms,\
              latency_p99_ms,firing_p50_ms,fan_in_p50_ms,fan_in_p99_ms,fan_in_samples,block_seconds,stalls,double_fires,cut\n",
         );
         let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
         for r in &self.results {
             let _ = writeln!(
                 csv,
-                "{},{},{},{},{},{:.1},{},{},{:.4},{:.4},{},{},{},{},{:.4},{},{},{}",
+                "{},{},{},{},{},{},{:.1},{},{},{:.4},{:.4},{},{},{},{},{:.4},{},{},{}",
                 r.width,
                 r.finishers,
+                r.batch,
                 r.mode,
                 r.blocks,
                 r.completions,

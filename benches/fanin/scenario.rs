@@ -61,6 +61,8 @@ pub struct Result {
     pub mode: Mode,
     pub width: usize,
     pub finishers: usize,
+    /// Completions acknowledged per transaction.
+    pub batch: usize,
     pub blocks: usize,
     pub completions: u64,
     /// Completions per second over the measured phases.
@@ -87,6 +89,7 @@ pub struct Setup<'a> {
     pub pool: &'a PgPool,
     pub started: &'a Started,
     pub budget: Duration,
+    pub batch: usize,
 }
 
 /// Runs one scenario. The caller's pool must hold at least `finishers` connections.
@@ -120,8 +123,15 @@ pub async fn run(
             None => *deadline.insert(Instant::now() + setup.budget),
             Some(_) => Instant::now() + Duration::from_secs(3_600),
         };
-        let block =
-            complete_block(&engine, setup.pool, mode, tasks, finishers, block_deadline).await?;
+        let block = complete_block(
+            &engine,
+            setup.pool,
+            mode,
+            tasks,
+            (finishers, setup.batch),
+            block_deadline,
+        )
+        .await?;
         last_block = block.elapsed;
         blocks += 1;
         completions += block.completions;
@@ -157,6 +167,7 @@ pub async fn run(
         mode,
         width,
         finishers,
+        batch: setup.batch,
         blocks,
         completions,
         rate: completions as f64 / measured.as_secs_f64().max(1e-9),
@@ -202,7 +213,7 @@ async fn complete_block(
     pool: &PgPool,
     mode: Mode,
     tasks: Vec<ClaimedTask>,
-    finishers: usize,
+    (finishers, batch): (usize, usize),
     deadline: Instant,
 ) -> anyhow::Result<Block> {
     let tasks = Arc::new(tasks);
@@ -223,24 +234,31 @@ async fn complete_block(
             let mut done = 0u64;
             barrier.wait().await;
             loop {
-                let i = cursor.fetch_add(1, Ordering::Relaxed);
+                let i = cursor.fetch_add(batch, Ordering::Relaxed);
                 if i >= tasks.len() || Instant::now() > deadline {
                     break;
                 }
-                let task = &tasks[i];
+                let slice = &tasks[i..(i + batch).min(tasks.len())];
                 let t0 = Instant::now();
-                let outcome = match mode {
-                    Mode::Floor => floor_complete(&pool, task).await?,
-                    Mode::Strategy(_) => engine.complete(task, json!(i)).await?,
+                let outcomes = match (mode, batch) {
+                    (Mode::Floor, _) => floor_complete(&pool, slice).await?,
+                    (Mode::Strategy(_), 1) => vec![engine.complete(&slice[0], json!(i)).await?],
+                    (Mode::Strategy(_), _) => {
+                        let items: Vec<_> =
+                            slice.iter().map(|t| (t, json!(t.item_index))).collect();
+                        engine.complete_batch(&items).await?
+                    }
                 };
                 let took = t0.elapsed();
                 latency.record(took.as_micros() as u64)?;
-                match outcome {
-                    Outcome::Completed { fired: true } => fired.push((t0, took)),
-                    Outcome::Completed { fired: false } => {}
-                    other => bail!("unexpected outcome {other:?}"),
+                for outcome in outcomes {
+                    match outcome {
+                        Outcome::Completed { fired: true } => fired.push((t0, took)),
+                        Outcome::Completed { fired: false } => {}
+                        other => bail!("unexpected outcome {other:?}"),
+                    }
+                    done += 1;
                 }
-                done += 1;
             }
             anyhow::Ok((done, latency, fired))
         }));
@@ -263,26 +281,34 @@ async fn complete_block(
     Ok(block)
 }
 
-/// The floor: the same guarded status transition, in a transaction of its own, and
-/// nothing else.
-async fn floor_complete(pool: &PgPool, task: &ClaimedTask) -> anyhow::Result<Outcome> {
+/// The floor: the same guarded status transition for the same members, in a
+/// transaction of its own per batch, and nothing else.
+async fn floor_complete(pool: &PgPool, tasks: &[ClaimedTask]) -> anyhow::Result<Vec<Outcome>> {
+    let ids: Vec<_> = tasks.iter().map(|t| t.id).collect();
+    let tokens: Vec<_> = tasks.iter().map(|t| t.lease).collect();
+    let outputs: Vec<_> = tasks
+        .iter()
+        .map(|t| sqlx::types::Json(json!(t.item_index)))
+        .collect();
     let mut tx = pool.begin().await?;
     let rows = sqlx::query(
-        "UPDATE confluo.task
-            SET status = 'completed', output = $3, finished_at = now(), lease_expires_at = NULL
-          WHERE id = $1 AND lease_token = $2 AND status = 'running'",
+        "UPDATE confluo.task t
+            SET status = 'completed', output = i.output, finished_at = now(),
+                lease_expires_at = NULL
+           FROM unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
+          WHERE t.id = i.id AND t.lease_token = i.token AND t.status = 'running'",
     )
-    .bind(task.id)
-    .bind(task.lease)
-    .bind(sqlx::types::Json(json!(task.item_index)))
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(&outputs)
     .execute(&mut *tx)
     .await?
     .rows_affected();
     tx.commit().await?;
-    if rows != 1 {
-        bail!("floor completion matched {rows} rows");
+    if rows != tasks.len() as u64 {
+        bail!("floor completion matched {rows} of {} rows", tasks.len());
     }
-    Ok(Outcome::Completed { fired: false })
+    Ok(vec![Outcome::Completed { fired: false }; tasks.len()])
 }
 
 async fn wait_started(started: &Started, id: ExecutionId, timeout: Duration) -> Option<Instant> {

@@ -35,9 +35,9 @@ pub enum FanInStrategy {
     /// completion, no lock on the execution row.
     #[default]
     Countdown,
-    /// The countdown spread over stripe rows (one per 16 members, at most 256): member
-    /// `i` counts down stripe `i % stripes`, and the arrival that drains a stripe counts
-    /// down the group row. Exactly one arrival still sees zero; concurrent finishers
+    /// The countdown spread over stripe rows (one per 16 members, at most 256): runs of 8
+    /// consecutive members share a stripe, taken in turn, and the arrival that drains a
+    /// stripe counts down the group row. Exactly one arrival still sees zero; concurrent finishers
     /// rarely queue on the same row. For wide blocks with many finishers.
     Striped,
     /// The classic way, kept as the baseline: lock the execution row `FOR UPDATE`, then
@@ -126,6 +126,9 @@ pub(crate) async fn count_batch(
             let drained = groups::count_down_stripes_many(conn, &groups, &items).await?;
             let (groups, counts): (Vec<_>, Vec<_>) =
                 drained.into_iter().filter(|(_, n)| *n > 0).unzip();
+            if groups.is_empty() {
+                return Ok(Vec::new()); // most batches drain no stripe: no group row to touch
+            }
             groups::count_down_many(conn, &groups, &counts).await
         }
         FanInStrategy::RowLock => {

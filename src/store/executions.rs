@@ -163,14 +163,15 @@ pub(crate) async fn stop(
              WHERE execution_id = $1 AND status = 'pending'
          RETURNING group_id, item_index
          ), per_group AS (
-            SELECT c.group_id, g.fan_in, g.stripes, count(*)::int AS n
+            SELECT c.group_id, g.fan_in, g.stripes, g.stripe_run, count(*)::int AS n
               FROM cancelled c JOIN confluo.stage_group g ON g.id = c.group_id
-             GROUP BY c.group_id, g.fan_in, g.stripes
+             GROUP BY c.group_id, g.fan_in, g.stripes, g.stripe_run
          ), counted AS (
             UPDATE confluo.stage_group g SET remaining = g.remaining - p.n
               FROM per_group p WHERE g.id = p.group_id AND p.fan_in = 'countdown'
          ), per_stripe AS (
-            SELECT c.group_id, c.item_index % p.stripes AS stripe, count(*)::int AS n
+            SELECT c.group_id, confluo.stripe_of(c.item_index, p.stripe_run, p.stripes) AS stripe,
+                   count(*)::int AS n
               FROM cancelled c JOIN per_group p ON p.group_id = c.group_id
              WHERE p.fan_in = 'striped'
              GROUP BY 1, 2

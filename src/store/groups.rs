@@ -24,8 +24,11 @@ pub(crate) enum MemberSource {
 
 /// A striped group has one stripe per this many members...
 const MEMBERS_PER_STRIPE: i64 = 16;
-/// ...and at most this many stripes.
+/// ...and at most this many stripes...
 const MAX_STRIPES: i64 = 256;
+/// ...each taking runs of this many consecutive members, so that a worker's batch of
+/// neighbours is one stripe decrement while its neighbours' batches go to other stripes.
+const STRIPE_RUN: i32 = 8;
 
 /// Creates a stage's countdown row (and stripes) and all its members in one statement, so
 /// that the group is never visible without its tasks; in the same statement, records the
@@ -74,16 +77,16 @@ pub(crate) async fn create_stage(
          g AS (
             INSERT INTO confluo.stage_group
                    (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
-                    stripes)
+                    stripes, stripe_run)
             SELECT $1, $2, $3, $4, $5, k.n,
                    CASE $15 WHEN 'countdown' THEN k.n WHEN 'striped' THEN least(k.n, k.k) END,
-                   $15, k.k
+                   $15, k.k, $19
               FROM k
             RETURNING width
          ),
          s AS (
             INSERT INTO confluo.group_stripe (group_id, stripe, remaining)
-            SELECT $1, ((src.ord - 1) % k.k)::int, count(*)
+            SELECT $1, confluo.stripe_of((src.ord - 1)::int, $19, k.k), count(*)
               FROM src, k
              WHERE $15 = 'striped'
              GROUP BY 2
@@ -128,7 +131,8 @@ pub(crate) async fn create_stage(
         .bind(fan_in.as_str())
         .bind(MAX_STRIPES)
         .bind(MEMBERS_PER_STRIPE)
-        .bind(crate::store::TASKS_CHANNEL);
+        .bind(crate::store::TASKS_CHANNEL)
+        .bind(STRIPE_RUN);
     Ok(query.fetch_one(conn).await?)
 }
 
@@ -165,7 +169,8 @@ pub(crate) async fn count_down_stripe(
     Ok(sqlx::query_scalar(
         "UPDATE confluo.group_stripe s SET remaining = s.remaining - 1
            FROM confluo.stage_group g
-          WHERE g.id = $1 AND s.group_id = $1 AND s.stripe = $2 % g.stripes
+          WHERE g.id = $1 AND s.group_id = $1
+            AND s.stripe = confluo.stripe_of($2, g.stripe_run, g.stripes)
       RETURNING s.remaining",
     )
     .bind(group_id)
@@ -214,7 +219,8 @@ pub(crate) async fn count_down_stripes_many(
         "WITH m AS (
             SELECT * FROM unnest($1::uuid[], $2::int[]) AS m(group_id, item_index)
          ), per_stripe AS (
-            SELECT m.group_id, m.item_index % g.stripes AS stripe, count(*)::int AS n
+            SELECT m.group_id, confluo.stripe_of(m.item_index, g.stripe_run, g.stripes) AS stripe,
+                   count(*)::int AS n
               FROM m JOIN confluo.stage_group g ON g.id = m.group_id
              GROUP BY 1, 2
          ), locked AS (

@@ -181,7 +181,7 @@ pub(crate) async fn complete_striping(
                SET remaining = s.remaining - 1
               FROM done, confluo.stage_group g
              WHERE g.id = done.group_id AND s.group_id = done.group_id
-               AND s.stripe = done.item_index % g.stripes
+               AND s.stripe = confluo.stripe_of(done.item_index, g.stripe_run, g.stripes)
          RETURNING s.remaining
          )
          SELECT done.group_id, done.execution_id, done.stage_index, counted.remaining
