@@ -118,18 +118,18 @@ pub(crate) async fn count_batch(
         FanInStrategy::Countdown => {
             let (groups, counts): (Vec<_>, Vec<_>) =
                 per_group.iter().map(|(g, (_, n))| (*g, *n)).unzip();
-            groups::count_down_many(conn, &groups, &counts).await
+            groups::count_down(conn, &groups, &counts).await
         }
         FanInStrategy::Striped => {
             let (groups, items): (Vec<_>, Vec<_>) =
                 members.iter().map(|m| (m.group_id, m.item_index)).unzip();
-            let drained = groups::count_down_stripes_many(conn, &groups, &items).await?;
+            let drained = groups::count_down_stripes(conn, &groups, &items).await?;
             let (groups, counts): (Vec<_>, Vec<_>) =
                 drained.into_iter().filter(|(_, n)| *n > 0).unzip();
             if groups.is_empty() {
                 return Ok(Vec::new()); // most batches drain no stripe: no group row to touch
             }
-            groups::count_down_many(conn, &groups, &counts).await
+            groups::count_down(conn, &groups, &counts).await
         }
         FanInStrategy::RowLock => {
             let mut last = Vec::new();
@@ -163,7 +163,7 @@ pub(crate) async fn count_without_deciding(
 ) -> Result<()> {
     match strategy {
         FanInStrategy::Countdown => {
-            crate::store::groups::count_down(conn, member.group_id).await?;
+            groups::count_down(conn, &[member.group_id], &[1]).await?;
         }
         FanInStrategy::Striped => {
             striped::count_down(conn, member).await?;

@@ -23,7 +23,9 @@ pub(super) async fn complete(
         return Ok(None);
     };
     let last = match row.remaining {
-        Some(0) => groups::count_down(conn, row.group_id).await? == 0,
+        Some(0) => !groups::count_down(conn, &[row.group_id], &[1])
+            .await?
+            .is_empty(),
         _ => false,
     };
     Ok(Some(Arrival {
@@ -37,8 +39,12 @@ pub(super) async fn complete(
 /// Counts a terminal member down on its stripe, and on the group when the stripe
 /// drains; true if that took the group to zero.
 pub(super) async fn count_down(conn: &mut PgConnection, member: Member) -> Result<bool> {
-    if groups::count_down_stripe(conn, member.group_id, member.item_index).await? > 0 {
+    let drained =
+        groups::count_down_stripes(conn, &[member.group_id], &[member.item_index]).await?;
+    if drained.iter().all(|(_, n)| *n == 0) {
         return Ok(false);
     }
-    Ok(groups::count_down(conn, member.group_id).await? == 0)
+    Ok(!groups::count_down(conn, &[member.group_id], &[1])
+        .await?
+        .is_empty())
 }

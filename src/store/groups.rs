@@ -150,38 +150,9 @@ pub(crate) async fn mark_fired(conn: &mut PgConnection, group_id: GroupId) -> Re
     Ok(fired == 1)
 }
 
-/// Counts one terminal member down on the group row; returns what remains.
-pub(crate) async fn count_down(conn: &mut PgConnection, group_id: GroupId) -> Result<i32> {
-    Ok(sqlx::query_scalar(
-        "UPDATE confluo.stage_group SET remaining = remaining - 1 WHERE id = $1 RETURNING remaining",
-    )
-    .bind(group_id)
-    .fetch_one(conn)
-    .await?)
-}
-
-/// Counts one terminal member down on its stripe; returns what remains of the stripe.
-pub(crate) async fn count_down_stripe(
-    conn: &mut PgConnection,
-    group_id: GroupId,
-    item_index: i32,
-) -> Result<i32> {
-    Ok(sqlx::query_scalar(
-        "UPDATE confluo.group_stripe s SET remaining = s.remaining - 1
-           FROM confluo.stage_group g
-          WHERE g.id = $1 AND s.group_id = $1
-            AND s.stripe = confluo.stripe_of($2, g.stripe_run, g.stripes)
-      RETURNING s.remaining",
-    )
-    .bind(group_id)
-    .bind(item_index)
-    .fetch_one(conn)
-    .await?)
-}
-
 /// Counts each group down by its number of arrivals, in one statement; returns the groups
 /// it took to zero.
-pub(crate) async fn count_down_many(
+pub(crate) async fn count_down(
     conn: &mut PgConnection,
     groups: &[GroupId],
     arrivals: &[i32],
@@ -210,7 +181,7 @@ pub(crate) async fn count_down_many(
 
 /// Counts members down on their stripes, one decrement per stripe, in one statement;
 /// returns, per group, how many of its stripes drained.
-pub(crate) async fn count_down_stripes_many(
+pub(crate) async fn count_down_stripes(
     conn: &mut PgConnection,
     groups: &[GroupId],
     item_indexes: &[i32],
