@@ -360,7 +360,7 @@ impl Engine {
             _ => {
                 let last = a
                     .fan_in
-                    .after_terminal_failure(&mut tx, a.execution_id, member, row.remaining)
+                    .decide(&mut tx, a.execution_id, member, row.remaining)
                     .await?;
                 let fired = last
                     && dispatch::fire(self, &mut tx, a.execution_id, row.group_id, row.stage_index)

@@ -17,7 +17,7 @@ use sqlx::PgConnection;
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::store::groups;
-use crate::store::tasks::CompletedRow;
+use crate::store::tasks::{self, CompletedRow};
 
 mod countdown;
 #[cfg(feature = "naive-fan-in")]
@@ -74,17 +74,31 @@ impl FanInStrategy {
     ) -> Result<Option<Arrival>> {
         match self {
             FanInStrategy::Countdown => countdown::complete(conn, id, token, output).await,
-            FanInStrategy::RowLock => row_lock::complete(conn, id, token, output).await,
             FanInStrategy::Striped => striped::complete(conn, id, token, output).await,
-            #[cfg(feature = "naive-fan-in")]
-            FanInStrategy::NaiveRecount => naive::complete(conn, id, token, output).await,
+            _ => {
+                // Re-counting strategies: write the status, then decide.
+                let Some(row) = tasks::complete_plain(conn, id, token, output).await? else {
+                    return Ok(None);
+                };
+                let member = Member {
+                    group_id: row.group_id,
+                    item_index: row.item_index,
+                };
+                let last = self.decide(conn, row.execution_id, member, None).await?;
+                Ok(Some(Arrival {
+                    group_id: row.group_id,
+                    execution_id: row.execution_id,
+                    stage_index: row.stage_index,
+                    last,
+                }))
+            }
         }
     }
 
-    /// Decides whether a terminal failure (dead letter), already recorded in this
-    /// transaction, was its group's last arrival. `remaining` is what the failure's own
-    /// statement left on the counter of a countdown group.
-    pub(crate) async fn after_terminal_failure(
+    /// Decides whether a terminal arrival whose status this transaction already wrote (a
+    /// completion by a re-counting strategy, or a dead letter) was its group's last.
+    /// `remaining` is what that statement left on the counter of a countdown group.
+    pub(crate) async fn decide(
         self,
         conn: &mut PgConnection,
         execution_id: ExecutionId,
