@@ -146,79 +146,76 @@ impl Report {
         let root = SVGBackend::new(path, (1100, 450)).into_drawing_area();
         root.fill(&WHITE)?;
         let (left, right) = root.split_horizontally(550);
-        let colors = [BLACK, BLUE, RED, MAGENTA, GREEN];
-
-        let mut c = ChartBuilder::on(&left)
-            .caption(
-                format!("completions/s ({finishers} finishers)"),
-                ("sans-serif", 18),
-            )
-            .margin(10)
-            .x_label_area_size(35)
-            .y_label_area_size(60)
-            .build_cartesian_2d(widths.clone().log_scale(), (1.0..rmax).log_scale())?;
-        c.configure_mesh()
-            .x_desc("block width")
-            .y_desc("completions/s")
-            .draw()?;
-        for (i, &mode) in modes.iter().enumerate() {
-            let color = colors[i % colors.len()];
-            let points: Vec<(f64, f64)> = at(mode)
-                .map(|r| (r.width as f64, r.rate.max(1.0)))
-                .collect();
-            c.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
-                .label(mode.to_string())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-                });
-            c.draw_series(
-                points
-                    .into_iter()
-                    .map(|p| Circle::new(p, 3, color.filled())),
-            )?;
-        }
-        c.configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE)
-            .draw()?;
-
-        let mut c = ChartBuilder::on(&right)
-            .caption(
-                format!("fan-in latency p99, ms ({finishers} finishers)"),
-                ("sans-serif", 18),
-            )
-            .margin(10)
-            .x_label_area_size(35)
-            .y_label_area_size(60)
-            .build_cartesian_2d(widths.log_scale(), (0.1..lmax).log_scale())?;
-        c.configure_mesh()
-            .x_desc("block width")
-            .y_desc("ms")
-            .draw()?;
-        for (i, &mode) in modes.iter().enumerate() {
-            let color = colors[i % colors.len()];
-            let points: Vec<(f64, f64)> = at(mode)
-                .filter_map(|r| r.fan_in_p99_ms.map(|l| (r.width as f64, l.max(0.1))))
-                .collect();
-            if points.is_empty() {
-                continue;
-            }
-            c.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
-                .label(mode.to_string())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-                });
-            c.draw_series(
-                points
-                    .into_iter()
-                    .map(|p| Circle::new(p, 3, color.filled())),
-            )?;
-        }
-        c.configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE)
-            .draw()?;
+        let series = |value: fn(&Result) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
+            modes
+                .iter()
+                .map(|&mode| {
+                    let points = at(mode)
+                        .filter_map(|r| value(r).map(|v| (r.width as f64, v)))
+                        .collect();
+                    (mode.to_string(), points)
+                })
+                .collect()
+        };
+        panel(
+            &left,
+            &format!("completions/s ({finishers} finishers)"),
+            "completions/s",
+            (widths.clone(), 1.0..rmax),
+            series(|r| Some(r.rate.max(1.0))),
+        )?;
+        panel(
+            &right,
+            &format!("fan-in latency p99, ms ({finishers} finishers)"),
+            "ms",
+            (widths, 0.1..lmax),
+            series(|r| r.fan_in_p99_ms.map(|l| l.max(0.1))),
+        )?;
         root.present()?;
         Ok(())
     }
+}
+
+type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
+
+/// One log-log panel: a line (with points) and a legend entry per named series.
+fn panel(
+    area: &Area<'_>,
+    caption: &str,
+    y_desc: &str,
+    (x, y): (std::ops::Range<f64>, std::ops::Range<f64>),
+    series: Vec<(String, Vec<(f64, f64)>)>,
+) -> anyhow::Result<()> {
+    const COLORS: [RGBColor; 5] = [BLACK, BLUE, RED, MAGENTA, GREEN];
+    let mut c = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x.log_scale(), y.log_scale())?;
+    c.configure_mesh()
+        .x_desc("block width")
+        .y_desc(y_desc)
+        .draw()?;
+    for (i, (name, points)) in series.into_iter().enumerate() {
+        if points.is_empty() {
+            continue;
+        }
+        let color = COLORS[i % COLORS.len()];
+        c.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+            .label(name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        c.draw_series(
+            points
+                .into_iter()
+                .map(|p| Circle::new(p, 3, color.filled())),
+        )?;
+    }
+    c.configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE)
+        .draw()?;
+    Ok(())
 }
