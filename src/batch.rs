@@ -10,10 +10,10 @@ use sqlx::types::Json;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::fanin::{self, FanInStrategy};
+use crate::fanin;
 use crate::ids::{GroupId, LeaseToken, TaskId};
 use crate::queue::{ClaimedTask, Outcome, CONFLICT_RETRIES};
-use crate::store::tasks::{self, CompletedRow};
+use crate::store::tasks;
 
 impl Engine {
     /// Records several successful attempts in one transaction. Each group (or stripe) is
@@ -53,28 +53,14 @@ impl Engine {
         let ids: Vec<TaskId> = items.iter().map(|(t, _)| t.id).collect();
         let tokens: Vec<LeaseToken> = items.iter().map(|(t, _)| t.lease).collect();
         let outputs: Vec<Json<&Value>> = items.iter().map(|(_, o)| Json(o)).collect();
-        let strategy_of: HashMap<TaskId, FanInStrategy> =
-            items.iter().map(|(t, _)| (t.id, t.fan_in)).collect();
 
         let mut tx = self.pool().begin().await?;
         let done = tasks::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
-        let mut by_strategy: HashMap<FanInStrategy, Vec<CompletedRow>> = HashMap::new();
-        for row in &done {
-            by_strategy
-                .entry(strategy_of[&row.id])
-                .or_default()
-                .push(*row);
-        }
         let mut fired_groups = HashSet::new();
-        for (strategy, members) in &by_strategy {
-            for group in fanin::count_batch(*strategy, &mut tx, members).await? {
-                let m = members
-                    .iter()
-                    .find(|m| m.group_id == group)
-                    .expect("a member of it");
-                if dispatch::fire(self, &mut tx, m.execution_id, group, m.stage_index).await? {
-                    fired_groups.insert(group);
-                }
+        for group in fanin::last_arrivals(&mut tx, &done).await? {
+            let m = done.iter().find(|m| m.group_id == group).expect("a member");
+            if dispatch::fire(self, &mut tx, m.execution_id, group, m.stage_index).await? {
+                fired_groups.insert(group);
             }
         }
         tx.commit().await?;

@@ -10,6 +10,7 @@
 //! Results: a table on stdout; JSON, CSV and an SVG chart under `target/fanin-bench/`.
 
 mod report;
+mod round_trips;
 mod scenario;
 
 use std::collections::HashMap;
@@ -113,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
     let mut worker = Engine::new(
         PgPoolOptions::new()
             .max_connections(4)
-            .connect_with(options)
+            .connect_with(options.clone())
             .await?,
     )
     .worker()
@@ -158,10 +159,34 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     }
+    // Round trips per completion, once per mode, at a moderate width.
+    let proxy = round_trips::CountingProxy::start(&options).await?;
+    let width = args
+        .widths
+        .iter()
+        .copied()
+        .filter(|w| *w <= 1_000)
+        .max()
+        .unwrap_or(1_000);
+    let finishers = max_finishers.min(8);
+    let mut trips = Vec::new();
+    for &mode in &args.modes {
+        bar.set_message(format!("{mode}: counting round trips"));
+        let (per_completion, pings_per_completion) =
+            scenario::round_trips(&setup, &proxy, &options, mode, (width, finishers)).await?;
+        trips.push(report::RoundTrips {
+            mode,
+            width,
+            finishers,
+            batch: args.batch,
+            per_completion,
+            pings_per_completion,
+        });
+    }
     bar.finish_and_clear();
     worker.shutdown().await;
 
-    let report = report::Report::new(results);
+    let report = report::Report::new(results, trips);
     print!("{}", report.table());
     let dir = std::path::PathBuf::from(
         std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()),

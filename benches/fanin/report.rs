@@ -10,11 +10,27 @@ use crate::scenario::{Mode, Result};
 
 pub struct Report {
     results: Vec<Result>,
+    round_trips: Vec<RoundTrips>,
+}
+
+/// Round trips per completion of one mode, measured through the counting proxy.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RoundTrips {
+    pub mode: Mode,
+    pub width: usize,
+    pub finishers: usize,
+    pub batch: usize,
+    pub per_completion: f64,
+    /// Of those, the pool's connection tests (the same for every mode).
+    pub pings_per_completion: f64,
 }
 
 impl Report {
-    pub fn new(results: Vec<Result>) -> Self {
-        Report { results }
+    pub fn new(results: Vec<Result>, round_trips: Vec<RoundTrips>) -> Self {
+        Report {
+            results,
+            round_trips,
+        }
     }
 
     fn rate_of(&self, r: &Result, mode: &str) -> Option<f64> {
@@ -67,13 +83,33 @@ impl Report {
                 if r.cut { "cut" } else { "" },
             );
         }
+        if let Some(first) = self.round_trips.first() {
+            let _ = writeln!(
+                out,
+                "\nround trips per completion, counted by a proxy (width {}, {} finishers, {} per ack);\n\
+                 the pool's own connection tests in brackets:",
+                first.width, first.finishers, first.batch
+            );
+            for r in &self.round_trips {
+                let _ = writeln!(
+                    out,
+                    "  {:<10} {:>6.2}  ({:.2})",
+                    r.mode.to_string(),
+                    r.per_completion,
+                    r.pings_per_completion
+                );
+            }
+        }
         out
     }
 
     pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
         std::fs::write(
             dir.join("results.json"),
-            serde_json::to_string_pretty(&self.results)?,
+            serde_json::to_string_pretty(&serde_json::json!({
+                "scenarios": self.results,
+                "round_trips": self.round_trips,
+            }))?,
         )?;
         let mut csv = String::from(
             "width,finishers,batch,strategy,blocks,completions,rate,ratio_floor,ratio_row_lock,latency_p50_ms,\

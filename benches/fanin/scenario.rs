@@ -184,7 +184,7 @@ pub async fn run(
     })
 }
 
-async fn claim_all(engine: &Engine, width: usize) -> anyhow::Result<Vec<ClaimedTask>> {
+pub async fn claim_all(engine: &Engine, width: usize) -> anyhow::Result<Vec<ClaimedTask>> {
     let mut tasks = Vec::with_capacity(width);
     while tasks.len() < width {
         let batch = engine
@@ -198,8 +198,8 @@ async fn claim_all(engine: &Engine, width: usize) -> anyhow::Result<Vec<ClaimedT
     Ok(tasks)
 }
 
-struct Block {
-    completions: u64,
+pub struct Block {
+    pub completions: u64,
     elapsed: Duration,
     latency: Histogram<u64>,
     /// Start instants and durations of the completions that fired the group.
@@ -208,7 +208,7 @@ struct Block {
 
 /// Completes the block's members from `finishers` tasks released together by a barrier,
 /// each taking the next member from a shared cursor, until done or past `deadline`.
-async fn complete_block(
+pub async fn complete_block(
     engine: &Engine,
     pool: &PgPool,
     mode: Mode,
@@ -322,4 +322,52 @@ async fn wait_started(started: &Started, id: ExecutionId, timeout: Duration) -> 
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// Round trips per completion of `mode`: one block of `width` members completed by
+/// `finishers` connections that go through a counting proxy (the ones opening the
+/// connections and registering the workflow are not counted).
+pub async fn round_trips(
+    setup: &Setup<'_>,
+    proxy: &crate::round_trips::CountingProxy,
+    upstream: &sqlx::postgres::PgConnectOptions,
+    mode: Mode,
+    (width, finishers): (usize, usize),
+) -> anyhow::Result<(f64, f64)> {
+    let counted_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(finishers as u32)
+        .min_connections(finishers as u32)
+        .connect_with(proxy.options(upstream))
+        .await?;
+    let counted = Engine::new(counted_pool.clone());
+    counted.register(&mode.workflow()).await?; // caches the definition
+    let mut warm = Vec::new();
+    for _ in 0..finishers {
+        warm.push(counted_pool.acquire().await?);
+    }
+    drop(warm);
+
+    let engine = Engine::new(setup.pool.clone());
+    let input: Vec<usize> = (0..width).collect();
+    let id = engine.start(&format!("bench-{mode}"), &input).await?;
+    let tasks = claim_all(&engine, width).await?;
+    proxy.reset();
+    let block = complete_block(
+        &counted,
+        &counted_pool,
+        mode,
+        tasks,
+        (finishers, setup.batch),
+        Instant::now() + Duration::from_secs(3_600),
+    )
+    .await?;
+    // The pool pings a returned connection in the background: let the last ones land.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (turns, pings) = proxy.turns();
+    counted_pool.close().await;
+    if mode == Mode::Floor {
+        engine.cancel(id).await?;
+    }
+    let per = |n: u64| n as f64 / block.completions.max(1) as f64;
+    Ok((per(turns), per(pings)))
 }

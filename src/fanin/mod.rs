@@ -35,9 +35,9 @@ pub enum FanInStrategy {
     /// completion, no lock on the execution row.
     #[default]
     Countdown,
-    /// The countdown spread over stripe rows (one per 16 members, at most 256): runs of 8
-    /// consecutive members share a stripe, taken in turn, and the arrival that drains a
-    /// stripe counts down the group row. Exactly one arrival still sees zero; concurrent finishers
+    /// The countdown spread over stripe rows (one per 16 members, at most 256): members
+    /// are dealt to the stripes in turn, so neighbours that finish together count down
+    /// different rows, and the arrival that drains a stripe counts down the group row. Exactly one arrival still sees zero; concurrent finishers
     /// rarely queue on the same row. For wide blocks with many finishers.
     Striped,
     /// The classic way, kept as the baseline: lock the execution row `FOR UPDATE`, then
@@ -116,55 +116,30 @@ impl FanInStrategy {
     }
 }
 
-/// Counts the arrivals of one batch that `strategy` decides (completed together in this
-/// transaction), with one decrement per group or stripe; returns the groups whose last
-/// arrival was in the batch.
-pub(crate) async fn count_batch(
-    strategy: FanInStrategy,
+/// The groups whose last arrival is among `completed`, the members that one batch
+/// statement completed ([`tasks::complete_many`]). That statement already counted down
+/// countdown and striped groups; re-counting strategies decide here, once per group.
+pub(crate) async fn last_arrivals(
     conn: &mut PgConnection,
-    members: &[CompletedRow],
+    completed: &[CompletedRow],
 ) -> Result<Vec<GroupId>> {
-    let mut per_group: BTreeMap<GroupId, (ExecutionId, i32)> = BTreeMap::new();
-    for m in members {
-        per_group.entry(m.group_id).or_insert((m.execution_id, 0)).1 += 1;
+    let mut groups: BTreeMap<GroupId, &CompletedRow> = BTreeMap::new();
+    for row in completed {
+        groups.entry(row.group_id).or_insert(row);
     }
-    match strategy {
-        FanInStrategy::Countdown => {
-            let (groups, counts): (Vec<_>, Vec<_>) =
-                per_group.iter().map(|(g, (_, n))| (*g, *n)).unzip();
-            groups::count_down(conn, &groups, &counts).await
-        }
-        FanInStrategy::Striped => {
-            let (groups, items): (Vec<_>, Vec<_>) =
-                members.iter().map(|m| (m.group_id, m.item_index)).unzip();
-            let drained = groups::count_down_stripes(conn, &groups, &items).await?;
-            let (groups, counts): (Vec<_>, Vec<_>) =
-                drained.into_iter().filter(|(_, n)| *n > 0).unzip();
-            if groups.is_empty() {
-                return Ok(Vec::new()); // most batches drain no stripe: no group row to touch
-            }
-            groups::count_down(conn, &groups, &counts).await
-        }
-        FanInStrategy::RowLock => {
-            let mut last = Vec::new();
-            for (group, (execution, _)) in per_group {
-                if row_lock::decide(conn, execution, group).await? {
-                    last.push(group);
-                }
-            }
-            Ok(last)
-        }
-        #[cfg(feature = "naive-fan-in")]
-        FanInStrategy::NaiveRecount => {
-            let mut last = Vec::new();
-            for group in per_group.into_keys() {
-                if naive::decide(conn, group).await? {
-                    last.push(group);
-                }
-            }
-            Ok(last)
+    let mut last = Vec::new();
+    for (group, row) in groups {
+        let decided = match row.fan_in.parse::<FanInStrategy>()? {
+            FanInStrategy::Countdown | FanInStrategy::Striped => row.remaining == Some(0),
+            FanInStrategy::RowLock => row_lock::decide(conn, row.execution_id, group).await?,
+            #[cfg(feature = "naive-fan-in")]
+            FanInStrategy::NaiveRecount => naive::decide(conn, group).await?,
+        };
+        if decided {
+            last.push(group);
         }
     }
+    Ok(last)
 }
 
 /// Counts a member that became terminal where no fan-in decision is due (cancelled, or

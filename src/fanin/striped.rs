@@ -19,21 +19,14 @@ pub(super) async fn complete(
     token: LeaseToken,
     output: &Value,
 ) -> Result<Option<Arrival>> {
-    let Some(row) = tasks::complete_striping(conn, id, token, output).await? else {
-        return Ok(None);
-    };
-    let last = match row.remaining {
-        Some(0) => !groups::count_down(conn, &[row.group_id], &[1])
-            .await?
-            .is_empty(),
-        _ => false,
-    };
-    Ok(Some(Arrival {
-        group_id: row.group_id,
-        execution_id: row.execution_id,
-        stage_index: row.stage_index,
-        last,
-    }))
+    Ok(tasks::complete_striping(conn, id, token, output)
+        .await?
+        .map(|row| Arrival {
+            group_id: row.group_id,
+            execution_id: row.execution_id,
+            stage_index: row.stage_index,
+            last: row.remaining == Some(0),
+        }))
 }
 
 /// Counts a terminal member down on its stripe, and on the group when the stripe

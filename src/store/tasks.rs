@@ -161,46 +161,44 @@ pub(crate) async fn complete_plain(
     .await?)
 }
 
-/// Completes a running attempt and counts down its stripe, in one statement. The
-/// stripe's new count is `None` only if the group has no stripe for it (never, for a
-/// striped group).
+/// Completes a running attempt of a striped group in one statement: the status, its
+/// stripe's decrement and, when that drains the stripe, the group's. Every arrival locks
+/// a stripe before its group, so arrivals cannot deadlock. `remaining` is the group's
+/// count where the statement counted it down.
 pub(crate) async fn complete_striping(
     conn: &mut PgConnection,
     id: TaskId,
     token: LeaseToken,
     output: &Value,
-) -> Result<Option<StripeRow>> {
+) -> Result<Option<CountdownRow>> {
     Ok(sqlx::query_as(
         "WITH done AS (
             UPDATE confluo.task
                SET status = 'completed', output = $3, finished_at = now(), lease_expires_at = NULL
              WHERE id = $1 AND lease_token = $2 AND status = 'running'
          RETURNING group_id, execution_id, stage_index, item_index
-         ), counted AS (
+         ), stripe AS (
             UPDATE confluo.group_stripe s
                SET remaining = s.remaining - 1
               FROM done, confluo.stage_group g
              WHERE g.id = done.group_id AND s.group_id = done.group_id
                AND s.stripe = confluo.stripe_of(done.item_index, g.stripe_run, g.stripes)
-         RETURNING s.remaining
+         RETURNING s.group_id, s.remaining
+         ), grp AS (
+            UPDATE confluo.stage_group g
+               SET remaining = g.remaining - 1
+              FROM stripe
+             WHERE g.id = stripe.group_id AND stripe.remaining = 0
+         RETURNING g.remaining
          )
-         SELECT done.group_id, done.execution_id, done.stage_index, counted.remaining
-           FROM done LEFT JOIN counted ON true",
+         SELECT done.group_id, done.execution_id, done.stage_index, grp.remaining
+           FROM done LEFT JOIN grp ON true",
     )
     .bind(id)
     .bind(token)
     .bind(Json(output))
     .fetch_optional(conn)
     .await?)
-}
-
-/// A completion counted on its stripe.
-#[derive(Debug, Clone, Copy, FromRow)]
-pub(crate) struct StripeRow {
-    pub group_id: GroupId,
-    pub execution_id: ExecutionId,
-    pub stage_index: i32,
-    pub remaining: Option<i32>,
 }
 
 /// Locks the execution row as the classic row-lock fan-in does (`FOR UPDATE`).
@@ -381,8 +379,13 @@ pub(crate) async fn expired_leases(conn: &mut PgConnection, limit: i64) -> Resul
     .await?)
 }
 
-/// Completes many running attempts in one statement, each guarded by its own lease token,
-/// without touching their groups. Returns the members it completed.
+/// Completes many running attempts and counts them down, all in one statement: each
+/// attempt guarded by its own lease token; then, once per stripe, the stripes of striped
+/// groups; then, once per group, countdown groups and the striped groups whose stripes
+/// drained. Rows are locked stripes first, then groups, each in one order for every
+/// batch, so that concurrent batches sharing rows cannot deadlock. Groups of re-counting
+/// strategies are not touched. Returns the members it completed, each with what the
+/// statement left on its group's counter (`None` where it did not count the group).
 pub(crate) async fn complete_many(
     conn: &mut PgConnection,
     ids: &[TaskId],
@@ -390,12 +393,49 @@ pub(crate) async fn complete_many(
     outputs: &[Json<&Value>],
 ) -> Result<Vec<CompletedRow>> {
     Ok(sqlx::query_as(
-        "UPDATE confluo.task t
-            SET status = 'completed', output = i.output, finished_at = now(),
-                lease_expires_at = NULL
-           FROM unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
-          WHERE t.id = i.id AND t.lease_token = i.token AND t.status = 'running'
-      RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index",
+        "WITH done AS (
+            UPDATE confluo.task t
+               SET status = 'completed', output = i.output, finished_at = now(),
+                   lease_expires_at = NULL
+              FROM unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
+             WHERE t.id = i.id AND t.lease_token = i.token AND t.status = 'running'
+         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index
+         ), arrived AS (
+            -- fan_in, stripes and stripe_run never change once a group exists.
+            SELECT done.*, g.fan_in,
+                   confluo.stripe_of(done.item_index, g.stripe_run, g.stripes) AS stripe
+              FROM done JOIN confluo.stage_group g ON g.id = done.group_id
+         ), per_stripe AS (
+            SELECT group_id, stripe, count(*)::int AS n
+              FROM arrived WHERE fan_in = 'striped' GROUP BY 1, 2
+         ), stripes_locked AS (
+            SELECT s.group_id FROM confluo.group_stripe s
+              JOIN per_stripe p ON s.group_id = p.group_id AND s.stripe = p.stripe
+             ORDER BY s.group_id, s.stripe
+               FOR NO KEY UPDATE OF s
+         ), stripes_counted AS (
+            UPDATE confluo.group_stripe s SET remaining = s.remaining - p.n
+              FROM per_stripe p, (SELECT count(*) FROM stripes_locked) l
+             WHERE s.group_id = p.group_id AND s.stripe = p.stripe
+         RETURNING s.group_id, s.remaining
+         ), per_group AS (
+            SELECT group_id, count(*)::int AS n
+              FROM arrived WHERE fan_in = 'countdown' GROUP BY 1
+             UNION ALL
+            SELECT group_id, count(*)::int
+              FROM stripes_counted WHERE remaining = 0 GROUP BY 1
+         ), groups_locked AS (
+            SELECT g.id FROM confluo.stage_group g JOIN per_group p ON p.group_id = g.id
+             ORDER BY g.id
+               FOR NO KEY UPDATE OF g
+         ), groups_counted AS (
+            UPDATE confluo.stage_group g SET remaining = g.remaining - p.n
+              FROM per_group p, (SELECT count(*) FROM groups_locked) l
+             WHERE g.id = p.group_id
+         RETURNING g.id, g.remaining
+         )
+         SELECT a.id, a.group_id, a.execution_id, a.stage_index, a.fan_in, c.remaining
+           FROM arrived a LEFT JOIN groups_counted c ON c.id = a.group_id",
     )
     .bind(ids)
     .bind(tokens)
@@ -404,12 +444,14 @@ pub(crate) async fn complete_many(
     .await?)
 }
 
-/// A member completed by a batch.
-#[derive(Debug, Clone, Copy, FromRow)]
+/// A member completed by [`complete_many`].
+#[derive(Debug, Clone, FromRow)]
 pub(crate) struct CompletedRow {
     pub id: TaskId,
     pub group_id: GroupId,
     pub execution_id: ExecutionId,
     pub stage_index: i32,
-    pub item_index: i32,
+    pub fan_in: String,
+    /// The group's counter after this statement, where it counted the group down.
+    pub remaining: Option<i32>,
 }
