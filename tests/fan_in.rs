@@ -276,6 +276,12 @@ async fn zombie_after_reclaimed_lease_changes_nothing_with(strategy: FanInStrate
     assert_eq!(short.len(), 2);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(db.engine.reclaim_expired(10).await.unwrap(), 2);
+    // Reclaimed and not claimed again yet: a zombie is fenced out all the same (it is not
+    // a replay: the reclaimed attempt acknowledged nothing). Found by `confluo stress`.
+    assert_eq!(
+        db.engine.complete(&short[0], json!("early")).await.unwrap(),
+        Outcome::LeaseLost
+    );
     // Reclaiming counted the attempt; the tasks are claimable again.
     let fresh = claim_all(&db.engine, 2).await;
     assert!(fresh.iter().all(|t| t.attempt == 2));

@@ -246,7 +246,8 @@ pub(crate) struct FailedRow {
 /// the row), or dead-letters the task when attempts are exhausted or the error is
 /// permanent, or cancels it when its execution has stopped. A terminal outcome decrements
 /// the group in the same statement. With `only_if_expired`, the lease must have expired
-/// (reclaiming), so a renewal that won the race keeps the attempt alive.
+/// (reclaiming), so a renewal that won the race keeps the attempt alive, and the attempt's
+/// token is cleared: its late acknowledgements are `LeaseLost`, not replays.
 pub(crate) async fn fail_counting_down(
     conn: &mut PgConnection,
     id: TaskId,
@@ -267,7 +268,10 @@ pub(crate) async fn fail_counting_down(
                    errors = t.errors || jsonb_build_array(jsonb_build_object(
                        'attempt', t.attempt, 'error', $3::text, 'at', now())),
                    finished_at = CASE WHEN v.next_status = 'pending' THEN NULL ELSE now() END,
-                   lease_expires_at = NULL
+                   lease_expires_at = NULL,
+                   -- A reclaimed attempt acknowledged nothing, so nothing of it can be
+                   -- replayed: clearing its token fences out whatever it sends later.
+                   lease_token = CASE WHEN $5 THEN NULL ELSE t.lease_token END
               FROM (SELECT CASE
                         WHEN x.status <> 'running' THEN 'cancelled'
                         WHEN $4 OR y.attempt >= y.max_attempts THEN 'dead'

@@ -96,7 +96,10 @@ impl Drop for TestDb {
                 .build()
                 .expect("runtime");
             rt.block_on(async move {
-                pool.close().await;
+                // A connection being returned to the pool is pinged by a task of the
+                // test's runtime, which this drop blocks (a current-thread runtime has no
+                // other thread): do not wait for it; FORCE below ends it anyway.
+                let _ = tokio::time::timeout(Duration::from_millis(500), pool.close()).await;
                 if let Ok(mut conn) = admin.connect().await {
                     let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                         .execute(&mut conn)
