@@ -20,11 +20,38 @@ pub(crate) async fn fire(
     group_id: GroupId,
     stage_index: i32,
 ) -> Result<bool> {
+    transition(engine, conn, execution_id, group_id, stage_index, false).await
+}
+
+/// Re-drives an execution whose group fired but whose next stage was never entered (an
+/// auditor repair, which has checked under the execution's lock that it is running and
+/// stalled). Returns whether it advanced.
+pub(crate) async fn advance_after_fired(
+    engine: &Engine,
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    group_id: GroupId,
+    stage_index: i32,
+) -> Result<bool> {
+    transition(engine, conn, execution_id, group_id, stage_index, true).await
+}
+
+/// Locks the execution and sets the group's fired marker (a second guard behind every
+/// strategy's decision); then, if this caller set it (or `redrive`), enters the next
+/// stage, or completes the execution after its last.
+async fn transition(
+    engine: &Engine,
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    group_id: GroupId,
+    stage_index: i32,
+    redrive: bool,
+) -> Result<bool> {
     let Some(execution) = executions::lock_and_mark_fired(conn, execution_id, group_id).await?
     else {
         return Ok(false);
     };
-    if !execution.fired {
+    if !(execution.fired || redrive) {
         return Ok(false);
     }
     let workflow = engine

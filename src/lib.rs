@@ -56,6 +56,7 @@
 mod batch;
 mod definition;
 mod dispatch;
+mod doctor;
 mod engine;
 mod error;
 mod execution;
@@ -67,6 +68,7 @@ mod store;
 mod worker;
 
 pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
+pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs};
 pub use engine::{Engine, EngineBuilder, StartOptions};
 pub use error::{Error, Result};
 pub use execution::{

@@ -1,0 +1,216 @@
+//! The auditor: finds what the engine's transactions never leave behind, and re-drives
+//! it. Safe to run while workers run, and as often as wanted: every repair locks what it
+//! touches, re-checks the finding from a snapshot taken after the lock, and changes
+//! nothing if the finding no longer holds.
+
+use serde::Serialize;
+
+use crate::dispatch;
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::ids::{ExecutionId, GroupId};
+use crate::store::audit;
+
+/// What [`Engine::doctor`] found. Empty on a healthy database.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Diagnosis {
+    /// Counters of running executions' groups that disagree with their members.
+    pub counter_mismatches: Vec<CounterMismatch>,
+    /// Groups of running executions with every member terminal that never fired: the
+    /// silent stall of an unguarded fan-in.
+    pub unfired_groups: Vec<GroupRef>,
+    /// Running executions with nothing left to run: no open task and every group fired,
+    /// but the next stage was never entered (or the execution never completed).
+    pub stalled_executions: Vec<GroupRef>,
+}
+
+impl Diagnosis {
+    /// Nothing found.
+    pub fn is_healthy(&self) -> bool {
+        self.counter_mismatches.is_empty()
+            && self.unfired_groups.is_empty()
+            && self.stalled_executions.is_empty()
+    }
+
+    /// Number of findings.
+    pub fn len(&self) -> usize {
+        self.counter_mismatches.len() + self.unfired_groups.len() + self.stalled_executions.len()
+    }
+
+    /// True when nothing was found (the same as [`is_healthy`](Self::is_healthy)).
+    pub fn is_empty(&self) -> bool {
+        self.is_healthy()
+    }
+}
+
+/// A counter that disagrees with the members it counts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct CounterMismatch {
+    /// The group.
+    pub group_id: GroupId,
+    /// Its execution.
+    pub execution_id: ExecutionId,
+    /// Its stage.
+    pub stage_index: i32,
+    /// The stripe, for a striped group's stripe row; `None` for the group's own counter.
+    pub stripe: Option<i32>,
+    /// What the counter says.
+    pub counter: i32,
+    /// What it should say: its non-terminal members (for a striped group's own counter,
+    /// its stripes with non-terminal members).
+    pub expected: i32,
+}
+
+/// A group, and the execution and stage it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct GroupRef {
+    /// The group.
+    pub group_id: GroupId,
+    /// Its execution.
+    pub execution_id: ExecutionId,
+    /// Its stage.
+    pub stage_index: i32,
+}
+
+/// What [`Engine::repair`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Repairs {
+    /// What was found before repairing.
+    pub found: Diagnosis,
+    /// Groups whose counters were re-counted from their members.
+    pub counters_fixed: usize,
+    /// Groups fired (their next stage dispatched, or their execution completed).
+    pub groups_fired: usize,
+    /// Stalled executions moved on.
+    pub executions_advanced: usize,
+}
+
+impl From<audit::GroupRow> for GroupRef {
+    fn from(row: audit::GroupRow) -> Self {
+        GroupRef {
+            group_id: row.group_id,
+            execution_id: row.execution_id,
+            stage_index: row.stage_index,
+        }
+    }
+}
+
+impl Engine {
+    /// Audits the database for states the engine's transitions never commit: counters
+    /// that disagree with their members, groups whose members are all terminal that never
+    /// fired, running executions with nothing left to run. Read-only; each kind of
+    /// finding is read in one statement, so concurrent work cannot produce a false one.
+    ///
+    /// ```no_run
+    /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
+    /// let diagnosis = engine.doctor().await?;
+    /// if !diagnosis.is_healthy() {
+    ///     eprintln!("{} findings: {diagnosis:?}", diagnosis.len());
+    ///     engine.repair().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn doctor(&self) -> Result<Diagnosis> {
+        let mut conn = self.pool().acquire().await?;
+        let counters = audit::counter_mismatches(&mut conn).await?;
+        let unfired = audit::unfired_groups(&mut conn).await?;
+        let stalled = audit::stalled_executions(&mut conn).await?;
+        Ok(Diagnosis {
+            counter_mismatches: counters
+                .into_iter()
+                .map(|r| CounterMismatch {
+                    group_id: r.group_id,
+                    execution_id: r.execution_id,
+                    stage_index: r.stage_index,
+                    stripe: r.stripe,
+                    counter: r.counter,
+                    expected: r.expected,
+                })
+                .collect(),
+            unfired_groups: unfired.into_iter().map(GroupRef::from).collect(),
+            stalled_executions: stalled.into_iter().map(GroupRef::from).collect(),
+        })
+    }
+
+    /// Audits (as [`doctor`](Self::doctor)) and re-drives what it finds: re-counts
+    /// disagreeing counters from their members, fires unfired groups (dispatching their
+    /// next stage exactly once: the group's fired marker still guards it), and moves
+    /// stalled executions on. Each repair is a transaction of its own that locks what it
+    /// touches in the order completions do and re-checks its finding first, so repairing
+    /// while workers run, or twice, is safe.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database); what was repaired before the error
+    /// stays repaired.
+    pub async fn repair(&self) -> Result<Repairs> {
+        let found = self.doctor().await?;
+        let mut repairs = Repairs::default();
+        let mut groups: Vec<GroupId> = found
+            .counter_mismatches
+            .iter()
+            .map(|m| m.group_id)
+            .collect();
+        groups.dedup();
+        for group in groups {
+            let mut tx = self.pool().begin().await?;
+            audit::recount(&mut tx, group).await?;
+            tx.commit().await?;
+            repairs.counters_fixed += 1;
+        }
+        // Re-read: a re-counted group may now be at zero and unfired.
+        let unfired = if repairs.counters_fixed > 0 {
+            let mut conn = self.pool().acquire().await?;
+            audit::unfired_groups(&mut conn).await?
+        } else {
+            Vec::new()
+        };
+        let unfired = found
+            .unfired_groups
+            .iter()
+            .map(|g| (g.group_id, g.execution_id, g.stage_index))
+            .chain(
+                unfired
+                    .iter()
+                    .map(|g| (g.group_id, g.execution_id, g.stage_index)),
+            );
+        let mut seen = std::collections::HashSet::new();
+        for (group, execution, stage) in unfired {
+            if !seen.insert(group) {
+                continue;
+            }
+            let mut tx = self.pool().begin().await?;
+            if audit::lock_if_unfired(&mut tx, group).await? {
+                audit::recount(&mut tx, group).await?;
+                if dispatch::fire(self, &mut tx, execution, group, stage).await? {
+                    repairs.groups_fired += 1;
+                }
+            }
+            tx.commit().await?;
+        }
+        for stalled in &found.stalled_executions {
+            let mut tx = self.pool().begin().await?;
+            if audit::lock_if_stalled(&mut tx, stalled.execution_id, stalled.group_id).await?
+                && dispatch::advance_after_fired(
+                    self,
+                    &mut tx,
+                    stalled.execution_id,
+                    stalled.group_id,
+                    stalled.stage_index,
+                )
+                .await?
+            {
+                repairs.executions_advanced += 1;
+            }
+            tx.commit().await?;
+        }
+        repairs.found = found;
+        Ok(repairs)
+    }
+}

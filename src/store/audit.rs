@@ -1,0 +1,189 @@
+//! Audit queries: states that the engine's transitions never commit. Each finding is read
+//! in one statement, so it sees one snapshot of committed transactions: since every
+//! transition commits atomically, a concurrent completion can never make a healthy
+//! database look broken.
+
+use sqlx::{FromRow, PgConnection};
+
+use crate::error::Result;
+use crate::ids::{ExecutionId, GroupId};
+
+/// A counter (a group's, or one of its stripes') that disagrees with its members.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct CounterRow {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+    pub stripe: Option<i32>,
+    pub counter: i32,
+    pub expected: i32,
+}
+
+/// Counters of running executions' groups that disagree with their members: a countdown
+/// group's `remaining` against its non-terminal members; a striped group's stripes against
+/// their non-terminal members, and its `remaining` against its undrained stripes.
+pub(crate) async fn counter_mismatches(conn: &mut PgConnection) -> Result<Vec<CounterRow>> {
+    Ok(sqlx::query_as(
+        "WITH g AS (
+            SELECT g.* FROM confluo.stage_group g
+              JOIN confluo.execution e ON e.id = g.execution_id
+             WHERE e.status = 'running' AND g.fan_in IN ('countdown', 'striped')
+         ), stripe_truth AS (
+            SELECT s.group_id, s.stripe, s.remaining,
+                   (SELECT count(*) FROM confluo.task t
+                     WHERE t.group_id = s.group_id AND t.status IN ('pending', 'running')
+                       AND confluo.stripe_of(t.item_index, g.stripe_run, g.stripes) = s.stripe
+                   )::int AS open
+              FROM confluo.group_stripe s JOIN g ON g.id = s.group_id
+         ), group_truth AS (
+            SELECT g.id, g.execution_id, g.stage_index, g.remaining,
+                   CASE g.fan_in
+                       WHEN 'countdown' THEN (
+                           SELECT count(*) FROM confluo.task t
+                            WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
+                       ELSE (SELECT count(*) FROM stripe_truth st
+                              WHERE st.group_id = g.id AND st.open > 0)
+                   END::int AS open
+              FROM g
+         )
+         SELECT id AS group_id, execution_id, stage_index, NULL::int AS stripe,
+                remaining AS counter, open AS expected
+           FROM group_truth WHERE remaining IS DISTINCT FROM open
+         UNION ALL
+         SELECT st.group_id, g.execution_id, g.stage_index, st.stripe, st.remaining, st.open
+           FROM stripe_truth st JOIN g ON g.id = st.group_id
+          WHERE st.remaining <> st.open
+         ORDER BY 1, 4 NULLS FIRST",
+    )
+    .fetch_all(conn)
+    .await?)
+}
+
+/// A group of a running execution, and where it stands.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct GroupRow {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+}
+
+/// Groups of running executions whose members are all terminal but that never fired.
+pub(crate) async fn unfired_groups(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
+    Ok(sqlx::query_as(
+        "SELECT g.id AS group_id, g.execution_id, g.stage_index
+           FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
+          WHERE e.status = 'running' AND g.fired_at IS NULL
+            AND NOT EXISTS (SELECT 1 FROM confluo.task t
+                             WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
+          ORDER BY g.execution_id, g.stage_index",
+    )
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Running executions with nothing left to run: no open task and every group fired, so
+/// nothing will ever move them. Returns each with its last group.
+pub(crate) async fn stalled_executions(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
+    Ok(sqlx::query_as(
+        "SELECT last.id AS group_id, e.id AS execution_id, last.stage_index
+           FROM confluo.execution e
+           JOIN LATERAL (SELECT g.id, g.stage_index, g.fired_at FROM confluo.stage_group g
+                          WHERE g.execution_id = e.id
+                          ORDER BY g.stage_index DESC LIMIT 1) last ON true
+          WHERE e.status = 'running' AND last.fired_at IS NOT NULL
+            AND NOT EXISTS (SELECT 1 FROM confluo.task t
+                             WHERE t.execution_id = e.id AND t.status IN ('pending', 'running'))
+          ORDER BY e.id",
+    )
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Locks a group's stripes, then the group (the order completions take them), so that no
+/// arrival is in flight on them; then, in a statement of its own (a snapshot taken after
+/// the locks), sets every counter to the number of non-terminal members it stands for.
+/// Returns the group's corrected counter.
+pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Result<Option<i32>> {
+    sqlx::query(
+        "SELECT 1 FROM confluo.group_stripe WHERE group_id = $1 ORDER BY stripe
+            FOR NO KEY UPDATE",
+    )
+    .bind(group_id)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query("SELECT 1 FROM confluo.stage_group WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(group_id)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(
+        "UPDATE confluo.group_stripe s
+            SET remaining = (SELECT count(*) FROM confluo.task t
+                              WHERE t.group_id = s.group_id AND t.status IN ('pending', 'running')
+                                AND confluo.stripe_of(t.item_index, g.stripe_run, g.stripes) = s.stripe)
+           FROM confluo.stage_group g
+          WHERE s.group_id = $1 AND g.id = s.group_id",
+    )
+    .bind(group_id)
+    .execute(&mut *conn)
+    .await?;
+    Ok(sqlx::query_scalar(
+        "UPDATE confluo.stage_group g
+            SET remaining = CASE g.fan_in
+                WHEN 'countdown' THEN (SELECT count(*) FROM confluo.task t
+                                        WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
+                WHEN 'striped' THEN (SELECT count(*) FROM confluo.group_stripe s
+                                      WHERE s.group_id = g.id AND s.remaining > 0)
+                ELSE g.remaining END
+          WHERE g.id = $1
+      RETURNING g.remaining",
+    )
+    .bind(group_id)
+    .fetch_optional(conn)
+    .await?
+    .flatten())
+}
+
+/// Locks a group and tells, from a snapshot taken after the lock, whether it still
+/// needs firing: never fired, every member terminal, its execution running.
+pub(crate) async fn lock_if_unfired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
+    sqlx::query("SELECT 1 FROM confluo.stage_group WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(group_id)
+        .execute(&mut *conn)
+        .await?;
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (
+            SELECT 1 FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
+             WHERE g.id = $1 AND g.fired_at IS NULL AND e.status = 'running'
+               AND NOT EXISTS (SELECT 1 FROM confluo.task t
+                                WHERE t.group_id = g.id AND t.status IN ('pending', 'running')))",
+    )
+    .bind(group_id)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// Locks an execution and tells, from a snapshot taken after the lock, whether it is
+/// still stalled after `group_id` (its last group fired, nothing open, nothing after it).
+pub(crate) async fn lock_if_stalled(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    group_id: GroupId,
+) -> Result<bool> {
+    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(execution_id)
+        .execute(&mut *conn)
+        .await?;
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (
+            SELECT 1 FROM confluo.execution e JOIN confluo.stage_group g ON g.id = $2
+             WHERE e.id = $1 AND e.status = 'running' AND g.fired_at IS NOT NULL
+               AND NOT EXISTS (SELECT 1 FROM confluo.stage_group n
+                                WHERE n.execution_id = e.id AND n.stage_index > g.stage_index)
+               AND NOT EXISTS (SELECT 1 FROM confluo.task t
+                                WHERE t.execution_id = e.id AND t.status IN ('pending', 'running')))",
+    )
+    .bind(execution_id)
+    .bind(group_id)
+    .fetch_one(conn)
+    .await?)
+}
