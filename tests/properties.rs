@@ -1,0 +1,341 @@
+//! Property tests: random workflow shapes (steps, parallel blocks, maps of width 0..64),
+//! failure patterns, duplicate and late completions and worker counts, run by concurrent
+//! workers on separate connections against real PostgreSQL. Whatever the case, the
+//! execution ends as a model of it predicts, every group fires exactly once, counters
+//! tell the truth, and replays change nothing. A failing case shrinks to a minimal one.
+//!
+//! `PROPTEST_CASES=200 cargo test --test properties` explores more cases.
+
+mod common;
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::TestDb;
+use confluo::{Engine, ExecutionStatus, FanInStrategy, Outcome, RetryPolicy, Stage, Workflow};
+use proptest::prelude::*;
+use serde_json::{json, Value};
+
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    Step,
+    Parallel(u8),
+    Map,
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    /// Elements the first step returns.
+    width: usize,
+    /// The stages after the first step.
+    stages: Vec<Shape>,
+    /// Percent of members that fail for good (dead letters; a step's fails the execution).
+    dead_pct: u64,
+    /// Percent of members whose first attempt fails and is retried.
+    flaky_pct: u64,
+    /// Percent of completions sent twice.
+    duplicate_pct: u64,
+    /// Percent of retried members whose failed attempt completes late.
+    late_pct: u64,
+    workers: usize,
+    strategy: FanInStrategy,
+    seed: u64,
+}
+
+fn roll(seed: u64, what: impl Hash) -> u64 {
+    let mut h = DefaultHasher::new();
+    (seed, what).hash(&mut h);
+    h.finish() % 100
+}
+
+impl Case {
+    fn workflow(&self, name: &str) -> Workflow {
+        let retry =
+            RetryPolicy::exponential(3).backoff(Duration::from_millis(1), Duration::from_millis(5));
+        let mut wf = Workflow::new(name, 1).stage(Stage::step("s0").retry(retry));
+        for (i, shape) in self.stages.iter().enumerate() {
+            let stage = match shape {
+                Shape::Step => Stage::step(format!("s{}", i + 1)),
+                Shape::Parallel(n) => Stage::parallel(
+                    format!("s{}", i + 1),
+                    (0..*n).map(|b| format!("s{}b{b}", i + 1)),
+                ),
+                Shape::Map => Stage::map(format!("s{}", i + 1)),
+            };
+            wf = wf.stage(stage.retry(retry).fan_in(self.strategy));
+        }
+        wf
+    }
+
+    fn dead(&self, stage: usize, item: u32) -> bool {
+        roll(self.seed, ("dead", stage, item)) < self.dead_pct
+    }
+
+    /// What the execution ends as: its status, and the successful outputs of its last
+    /// stage (a step's whole output).
+    fn expected(&self) -> (ExecutionStatus, Value) {
+        if self.dead(0, 0) {
+            return (ExecutionStatus::Failed, Value::Null);
+        }
+        let mut elements: Vec<Value> = (1..=self.width as i64).map(|v| json!(v)).collect();
+        let mut last = json!(elements);
+        for (i, shape) in self.stages.iter().enumerate() {
+            let stage = i + 1;
+            match shape {
+                Shape::Step => {
+                    if self.dead(stage, 0) {
+                        return (ExecutionStatus::Failed, Value::Null);
+                    }
+                    elements = (1..=elements.len() as i64).map(|v| json!(v)).collect();
+                    last = json!(elements);
+                }
+                Shape::Parallel(n) => {
+                    let ok: Vec<u8> = (0..*n)
+                        .filter(|b| !self.dead(stage, u32::from(*b)))
+                        .collect();
+                    elements = ok.iter().map(|b| json!(b)).collect();
+                    last = json!(ok
+                        .iter()
+                        .map(|b| (format!("s{stage}b{b}"), json!(b)))
+                        .collect::<serde_json::Map<_, _>>());
+                }
+                Shape::Map => {
+                    elements = elements
+                        .iter()
+                        .enumerate()
+                        .filter(|(item, _)| !self.dead(stage, *item as u32))
+                        .map(|(_, v)| json!(v.as_i64().unwrap() + 1))
+                        .collect();
+                    last = json!(elements);
+                }
+            }
+        }
+        (ExecutionStatus::Completed, last)
+    }
+}
+
+/// What a handler returns for `input`, as the model says.
+fn output(stage: usize, handler: &str, item: u32, input: &Value) -> Value {
+    if let Some(branch) = handler.split_once('b').map(|(_, b)| b) {
+        return json!(branch.parse::<u8>().unwrap());
+    }
+    let _ = stage;
+    match input {
+        Value::Number(n) if handler == "s0" => json!((1..=n.as_i64().unwrap()).collect::<Vec<_>>()),
+        Value::Number(n) => json!(n.as_i64().unwrap() + 1), // a map member
+        Value::Array(a) => json!((1..=a.len() as i64).collect::<Vec<_>>()),
+        Value::Object(o) => {
+            let n = match &o["outputs"] {
+                Value::Array(a) => a.len(),
+                Value::Object(m) => m.len(),
+                _ => 0,
+            };
+            let _ = item;
+            json!((1..=n as i64).collect::<Vec<_>>())
+        }
+        _ => Value::Null,
+    }
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    let shape = prop_oneof![
+        Just(Shape::Step),
+        (1u8..=4).prop_map(Shape::Parallel),
+        Just(Shape::Map)
+    ];
+    (
+        0usize..64,
+        prop::collection::vec(shape, 1..4),
+        (0u64..20, 0u64..30, 0u64..30, 0u64..50),
+        1usize..4,
+        prop_oneof![
+            Just(FanInStrategy::Countdown),
+            Just(FanInStrategy::Striped),
+            Just(FanInStrategy::RowLock)
+        ],
+        any::<u64>(),
+    )
+        .prop_map(
+            |(
+                width,
+                stages,
+                (dead_pct, flaky_pct, duplicate_pct, late_pct),
+                workers,
+                strategy,
+                seed,
+            )| Case {
+                width,
+                stages,
+                dead_pct,
+                flaky_pct,
+                duplicate_pct,
+                late_pct,
+                workers,
+                strategy,
+                seed,
+            },
+        )
+}
+
+/// Runs a case with its workers; returns a description of the first broken invariant.
+async fn run(case: &Case) -> Result<(), String> {
+    let db = TestDb::new(case.workers as u32 * 2 + 2).await;
+    let wf = case.workflow("prop");
+    db.register(&wf).await;
+    let id = db
+        .engine
+        .start("prop", &json!(case.width))
+        .await
+        .map_err(|e| e.to_string())?;
+    let done = Arc::new(AtomicBool::new(false));
+    let fired = Arc::new(AtomicUsize::new(0));
+    let violations = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut workers = Vec::new();
+    for w in 0..case.workers {
+        let engine = Engine::new(db.new_pool(2).await);
+        engine.register(&wf).await.unwrap();
+        let (case, done, fired, violations) = (
+            case.clone(),
+            done.clone(),
+            fired.clone(),
+            violations.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            let mut stale = Vec::new();
+            while !done.load(Ordering::Relaxed) {
+                let tasks = engine
+                    .claim(&format!("w{w}"), 3, Duration::from_secs(60))
+                    .await
+                    .unwrap();
+                if tasks.is_empty() {
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    continue;
+                }
+                for task in tasks {
+                    let input = engine.task_input(&task).await.unwrap();
+                    let out = output(task.stage_index, &task.handler, task.item_index, &input);
+                    let member = (task.stage_index, task.item_index);
+                    let outcome = if case.dead(member.0, member.1) {
+                        engine.fail(&task, "injected: dead", true).await.unwrap()
+                    } else if task.attempt == 1
+                        && roll(case.seed, ("flaky", member)) < case.flaky_pct
+                    {
+                        if roll(case.seed, ("late", member)) < case.late_pct {
+                            stale.push((task.clone(), out.clone()));
+                        }
+                        engine.fail(&task, "injected: flaky", false).await.unwrap()
+                    } else {
+                        let first = engine.complete(&task, out.clone()).await.unwrap();
+                        if roll(case.seed, ("dup", member)) < case.duplicate_pct {
+                            let again = engine.complete(&task, out.clone()).await.unwrap();
+                            if again != Outcome::AlreadyRecorded {
+                                violations
+                                    .lock()
+                                    .unwrap()
+                                    .push(format!("duplicate of {member:?} was {again:?}"));
+                            }
+                        }
+                        first
+                    };
+                    if matches!(
+                        outcome,
+                        Outcome::Completed { fired: true } | Outcome::DeadLettered { fired: true }
+                    ) {
+                        fired.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                // Late completions of failed attempts, one claim later: that attempt's
+                // outcome is recorded (as a failure) or its lease is gone; nothing changes.
+                for (old, out) in stale.drain(..) {
+                    let late = engine.complete(&old, out).await.unwrap();
+                    if !matches!(late, Outcome::LeaseLost | Outcome::AlreadyRecorded) {
+                        violations
+                            .lock()
+                            .unwrap()
+                            .push(format!("late completion was {late:?}"));
+                    }
+                }
+            }
+        }));
+    }
+    let execution = db
+        .engine
+        .wait(id, Duration::from_secs(20))
+        .await
+        .map_err(|e| format!("{e}"))?;
+    done.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.map_err(|e| format!("a worker panicked: {e}"))?;
+    }
+    if let Some(v) = violations.lock().unwrap().first() {
+        return Err(v.clone());
+    }
+
+    let (status, last) = case.expected();
+    if execution.status != status {
+        return Err(format!(
+            "execution {:?}, expected {status:?}",
+            execution.status
+        ));
+    }
+    if status == ExecutionStatus::Completed {
+        let got = execution.output.clone().unwrap_or(Value::Null);
+        let got = match case.stages.last() {
+            Some(Shape::Step) => got,
+            _ => got["outputs"].clone(),
+        };
+        if got != last {
+            return Err(format!("output {got}, expected {last}"));
+        }
+    }
+    // Every group with members fired exactly once, each fire reported to one finisher;
+    // every counter tells the truth.
+    let (groups, fired_groups, lying): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE g.width > 0),
+                count(*) FILTER (WHERE g.width > 0 AND g.fired_at IS NOT NULL),
+                count(*) FILTER (WHERE (g.fan_in = 'countdown' AND g.remaining <> o.open)
+                                    OR (g.fan_in = 'striped' AND g.remaining <>
+                                        (SELECT count(*) FROM confluo.group_stripe s
+                                          WHERE s.group_id = g.id AND s.remaining > 0)))
+           FROM confluo.stage_group g
+           JOIN LATERAL (SELECT count(*) FILTER (WHERE t.status IN ('pending', 'running')) AS open
+                           FROM confluo.task t WHERE t.group_id = g.id) o ON true
+          WHERE g.execution_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    if lying > 0 {
+        return Err(format!("{lying} counters disagree with their members"));
+    }
+    let reported = fired.load(Ordering::Relaxed) as i64;
+    if reported != fired_groups {
+        return Err(format!(
+            "{reported} finishers told fired, {fired_groups} groups fired"
+        ));
+    }
+    if status == ExecutionStatus::Completed && fired_groups != groups {
+        return Err(format!(
+            "{fired_groups} of {groups} groups fired in a completed execution"
+        ));
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(24),
+        max_shrink_iters: 100,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn random_workflows_keep_every_invariant(case in case()) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let result = rt.block_on(run(&case));
+        prop_assert!(result.is_ok(), "{}", result.unwrap_err());
+    }
+}
