@@ -1,0 +1,117 @@
+//! `confluo`: the command line of the confluo workflow engine.
+//!
+//! ```sh
+//! confluo migrate
+//! confluo doctor [--repair] [--json]
+//! confluo stress --executions 200 --width 1000 --processes 3 --all-faults
+//! ```
+
+mod doctor;
+mod stress;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use confluo::Engine;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "confluo",
+    version,
+    about = "Durable workflows on PostgreSQL with exactly-once fan-in"
+)]
+struct Cli {
+    /// PostgreSQL to use, e.g. postgres://postgres@127.0.0.1:5432/postgres
+    #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Applies confluo's migrations (idempotent; safe from several processes).
+    Migrate,
+    /// Finds what should never exist: groups whose counter disagrees with their members,
+    /// groups with every member terminal that never fired, running executions with
+    /// nothing left to run. Exits 1 when it finds something (and did not repair it).
+    Doctor(doctor::Args),
+    /// Runs many wide executions under injected faults, then checks the invariants in the
+    /// database. Exits 1 on any violation.
+    Stress(stress::Args),
+    /// Runs a stress worker (spawned by `stress --processes`).
+    #[command(hide = true)]
+    StressWorker(stress::WorkerArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // Under `stress` the engine's warnings (reclaimed leases, lost connections) are the
+    // injected faults doing their work: only errors are shown, unless RUST_LOG says more.
+    let quiet = matches!(cli.command, Command::Stress(_) | Command::StressWorker(_));
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.trim().is_empty() => directives,
+        _ => if quiet { "error" } else { "warn" }.to_owned(),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
+    let options = database(cli.database_url.as_deref())?;
+    match cli.command {
+        Command::Migrate => {
+            let engine = connect(&options, 2).await?;
+            engine.migrate().await?;
+            println!("migrations applied");
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
+        Command::Stress(args) => {
+            let url = cli.database_url.as_deref().unwrap_or_default();
+            stress::run(options, url, args).await
+        }
+        Command::StressWorker(args) => stress::worker_process(options, args).await,
+    }
+}
+
+/// The database to use: `--database-url`, else `DATABASE_URL`.
+fn database(url: Option<&str>) -> anyhow::Result<PgConnectOptions> {
+    let url = url.context(
+        "no database: pass --database-url or set DATABASE_URL \
+         (e.g. postgres://postgres@127.0.0.1:5432/postgres)",
+    )?;
+    url.parse()
+        .with_context(|| "the database URL is not a valid PostgreSQL URL".to_string())
+}
+
+/// An engine on a pool of `connections`, failing fast when the server is unreachable.
+async fn connect(options: &PgConnectOptions, connections: u32) -> anyhow::Result<Engine> {
+    let pool = PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options.clone())
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach PostgreSQL at {}:{} (database {:?})",
+                options.get_host(),
+                options.get_port(),
+                options.get_database().unwrap_or("postgres")
+            )
+        })?;
+    Ok(Engine::new(pool))
+}

@@ -1,0 +1,199 @@
+//! Faults injected from outside the handlers: a rogue client that replays completions and
+//! completes after its lease was reclaimed (a zombie), a killer of database connections,
+//! and a supervisor that SIGKILLs worker processes and starts new ones.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use confluo::{ClaimedTask, Engine, Outcome};
+use serde_json::Value;
+use tokio::process::{Child, Command};
+
+use super::handlers::{Context, Task};
+
+/// Violations seen by the chaos side (a replay or a zombie that changed something).
+#[derive(Default)]
+pub struct Seen {
+    pub violations: std::sync::Mutex<Vec<String>>,
+    pub killed_connections: AtomicU64,
+    pub killed_workers: AtomicU64,
+}
+
+impl Seen {
+    fn violation(&self, what: String) {
+        self.violations.lock().unwrap().push(what);
+    }
+}
+
+async fn run_task(ctx: &Context, engine: &Engine, task: &ClaimedTask) -> anyhow::Result<Value> {
+    let input = engine.task_input(task).await?;
+    let t = Task {
+        execution_id: task.execution_id,
+        task_id: task.id,
+        stage_index: task.stage_index,
+        handler: &task.handler,
+        item_index: task.item_index,
+        attempt: task.attempt,
+    };
+    ctx.perform(t, &input, false)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))
+}
+
+/// Claims one task like a worker would, with `lease`, and runs it (without faults);
+/// `None` if there was nothing to claim or running it failed (the task is given back).
+async fn claim_and_run(
+    ctx: &Context,
+    engine: &Engine,
+    who: &str,
+    lease: Duration,
+) -> Option<(ClaimedTask, Value)> {
+    let task = engine.claim(who, 1, lease).await.ok()?.pop()?;
+    match run_task(ctx, engine, &task).await {
+        Ok(output) => Some((task, output)),
+        Err(_) => {
+            let _ = engine.release(&task).await;
+            None
+        }
+    }
+}
+
+/// Now and then completes a task, then sends the same completion again: the replay must
+/// be `AlreadyRecorded`.
+pub async fn replays(
+    ctx: Context,
+    engine: Engine,
+    per_second: f64,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Seen>,
+) {
+    let pause = Duration::from_secs_f64(1.0 / per_second);
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(pause).await;
+        let lease = Duration::from_secs(30);
+        let Some((task, output)) = claim_and_run(&ctx, &engine, "rogue-replayer", lease).await
+        else {
+            continue;
+        };
+        // An error (e.g. a killed connection) leaves the lease to expire: nothing lost.
+        let Ok(Outcome::Completed { .. }) = engine.complete(&task, output.clone()).await else {
+            continue;
+        };
+        ctx.record_fault("replayed completion").await;
+        match engine.complete(&task, output).await {
+            Ok(Outcome::AlreadyRecorded) | Err(_) => {}
+            Ok(other) => seen.violation(format!("replay of task {} was {other:?}", task.id)),
+        }
+    }
+}
+
+/// Now and then claims a task with a short lease, lets it expire, reclaims it, then
+/// completes it: the zombie completion must be `LeaseLost` and change nothing.
+pub async fn zombies(
+    ctx: Context,
+    engine: Engine,
+    per_second: f64,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Seen>,
+) {
+    let pause = Duration::from_secs_f64(1.0 / per_second);
+    let lease = Duration::from_millis(200);
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(pause).await;
+        let Some((task, output)) = claim_and_run(&ctx, &engine, "rogue-zombie", lease).await else {
+            continue;
+        };
+        tokio::time::sleep(lease * 2).await;
+        if engine.reclaim_expired(1_000).await.is_err() {
+            continue;
+        }
+        ctx.record_fault("zombie completion").await;
+        match engine.complete(&task, output).await {
+            Ok(Outcome::LeaseLost) | Err(_) => {}
+            Ok(other) => seen.violation(format!(
+                "zombie completion of task {} was {other:?}",
+                task.id
+            )),
+        }
+    }
+}
+
+/// Terminates a random worker connection (`pg_terminate_backend`) every `every`.
+pub async fn kill_connections(
+    engine: Engine,
+    every: Duration,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Seen>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(every).await;
+        let killed: Result<Option<bool>, _> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE datname = current_database() AND application_name = $1
+              ORDER BY random() LIMIT 1",
+        )
+        .bind(super::WORKER_APPLICATION)
+        .fetch_optional(engine.pool())
+        .await
+        .map(Option::flatten);
+        if let Ok(Some(true)) = killed {
+            seen.killed_connections.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Worker processes: started, SIGKILLed at random every `kill_every` (if set) and
+/// replaced, and stopped at the end.
+pub struct Processes {
+    children: Vec<Child>,
+    command: Vec<String>,
+}
+
+impl Processes {
+    pub fn spawn(count: usize, command: Vec<String>) -> anyhow::Result<Processes> {
+        let mut processes = Processes {
+            children: Vec::new(),
+            command,
+        };
+        for _ in 0..count {
+            let child = processes.start()?;
+            processes.children.push(child);
+        }
+        Ok(processes)
+    }
+
+    fn start(&self) -> anyhow::Result<Child> {
+        Ok(Command::new(std::env::current_exe()?)
+            .args(&self.command)
+            .kill_on_drop(true)
+            .spawn()?)
+    }
+
+    /// SIGKILLs one process at random and starts another in its place.
+    pub async fn kill_one(&mut self, which: usize) -> anyhow::Result<()> {
+        let i = which % self.children.len();
+        self.children[i].start_kill()?; // SIGKILL: no shutdown, leases left to expire
+        let _ = self.children[i].wait().await;
+        self.children[i] = self.start()?;
+        Ok(())
+    }
+
+    /// Stops every process (SIGKILL: whatever they held is reclaimed by the others' leases).
+    pub async fn stop(mut self) {
+        for child in &mut self.children {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    /// Any process that exited on its own (a crash is a violation).
+    pub fn crashed(&mut self) -> Option<String> {
+        for child in &mut self.children {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(format!("a worker process exited on its own: {status}"));
+            }
+        }
+        None
+    }
+}

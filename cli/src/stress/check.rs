@@ -1,0 +1,146 @@
+//! The invariants, checked in the database at the end of a run with SQL of the harness's
+//! own: not through the engine's bookkeeping (its audit included), so a bug there cannot
+//! hide a violation here.
+
+use sqlx::PgPool;
+
+/// One invariant: its name, and what broke it (empty when it holds).
+pub struct Check {
+    pub name: &'static str,
+    pub failures: Vec<String>,
+}
+
+async fn rows(pool: &PgPool, sql: &str) -> anyhow::Result<Vec<String>> {
+    Ok(sqlx::query_scalar::<_, String>(sql).fetch_all(pool).await?)
+}
+
+/// Every check, each listing at most a few offending rows.
+pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
+    let mut checks = Vec::new();
+    let mut add = |name, failures| checks.push(Check { name, failures });
+
+    add(
+        "every execution terminal",
+        rows(
+            pool,
+            "SELECT id || ' is ' || status FROM confluo.execution
+              WHERE status NOT IN ('completed', 'failed', 'cancelled') LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "no task lost (none pending or running)",
+        rows(
+            pool,
+            "SELECT id || ' is ' || status || ' in stage ' || stage_index FROM confluo.task
+              WHERE status IN ('pending', 'running') LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "every map has all its members",
+        rows(
+            pool,
+            &format!(
+                "SELECT g.execution_id || ': ' || count(t.id) || ' members'
+                   FROM confluo.stage_group g LEFT JOIN confluo.task t ON t.group_id = g.id
+                  WHERE g.stage_index = 1
+                  GROUP BY g.id HAVING count(t.id) <> {width} LIMIT 5"
+            ),
+        )
+        .await?,
+    );
+    add(
+        "every stage of a completed execution dispatched once, and fired",
+        rows(
+            pool,
+            "SELECT e.id || ': ' || count(g.id) || ' groups, ' ||
+                    count(g.fired_at) || ' fired'
+               FROM confluo.execution e LEFT JOIN confluo.stage_group g ON g.execution_id = e.id
+              WHERE e.status = 'completed'
+              GROUP BY e.id HAVING count(g.id) <> 4 OR count(g.fired_at) <> 4 LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "every group with all members terminal fired (running or completed executions)",
+        rows(
+            pool,
+            "SELECT g.id || ' (stage ' || g.stage_index || ')' FROM confluo.stage_group g
+               JOIN confluo.execution e ON e.id = g.execution_id
+              WHERE e.status IN ('running', 'completed') AND g.fired_at IS NULL
+                AND NOT EXISTS (SELECT 1 FROM confluo.task t WHERE t.group_id = g.id
+                                   AND t.status IN ('pending', 'running'))
+              LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "no stage dispatched twice (the harness's own log of first members)",
+        rows(
+            pool,
+            "SELECT execution_id || ' stage ' || stage_index || ': ' || count(*) || ' dispatches'
+               FROM confluo_stress.started GROUP BY execution_id, stage_index
+             HAVING count(*) > 1 LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "counters equal their non-terminal members",
+        rows(
+            pool,
+            "SELECT g.id || ': counter ' || g.remaining || ', open ' || o.open
+               FROM confluo.stage_group g
+               JOIN LATERAL (SELECT count(*) FILTER (WHERE t.status IN ('pending', 'running')) AS open
+                               FROM confluo.task t WHERE t.group_id = g.id) o ON true
+              WHERE g.fan_in = 'countdown' AND g.remaining <> o.open
+             UNION ALL
+             SELECT s.group_id || ' stripe ' || s.stripe || ': counter ' || s.remaining
+               FROM confluo.group_stripe s JOIN confluo.stage_group g ON g.id = s.group_id
+              WHERE s.remaining <> (SELECT count(*) FROM confluo.task t
+                                     WHERE t.group_id = s.group_id
+                                       AND t.status IN ('pending', 'running')
+                                       AND (t.item_index / g.stripe_run) % g.stripes = s.stripe)
+             UNION ALL
+             SELECT g.id || ': striped counter ' || g.remaining
+               FROM confluo.stage_group g
+              WHERE g.fan_in = 'striped'
+                AND g.remaining <> (SELECT count(*) FROM confluo.group_stripe s
+                                     WHERE s.group_id = g.id AND s.remaining > 0)
+              LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "downstream saw every successful member's output, and nothing else",
+        rows(
+            pool,
+            "SELECT s.execution_id || ' ' || s.handler || ': saw ' || s.outputs || ' outputs summing '
+                    || s.total || ', members ' || m.completed || ' summing ' || m.total
+                    || ', failed ' || s.failed || ' vs ' || m.failed
+               FROM confluo_stress.seen s
+               JOIN LATERAL (
+                    SELECT count(*) FILTER (WHERE t.status = 'completed') AS completed,
+                           COALESCE(sum((t.output)::bigint) FILTER (WHERE t.status = 'completed'), 0) AS total,
+                           count(*) FILTER (WHERE t.status <> 'completed') AS failed
+                      FROM confluo.task t WHERE t.execution_id = s.execution_id AND t.stage_index = 1
+               ) m ON true
+              WHERE s.outputs <> m.completed OR s.total <> m.total OR s.failed <> m.failed
+              LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "every completed execution's checks saw the map",
+        rows(
+            pool,
+            "SELECT e.id::text FROM confluo.execution e
+              WHERE e.status = 'completed'
+                AND (SELECT count(DISTINCT handler) FROM confluo_stress.seen s
+                      WHERE s.execution_id = e.id) <> 2
+              LIMIT 5",
+        )
+        .await?,
+    );
+    Ok(checks)
+}

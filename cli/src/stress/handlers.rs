@@ -1,0 +1,182 @@
+//! The stress workflow and its handlers, with fault injection. The same handler logic
+//! runs in in-process workers, in worker processes, and in the rogue client (without
+//! faults), so every output is a pure function of the input and checkable afterwards.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Duration;
+
+use confluo::{ExecutionId, RetryPolicy, Stage, TaskError, WorkerBuilder, Workflow};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+pub const WORKFLOW: &str = "stress";
+/// A hung attempt is cut off by the stage timeout and counts as a failed attempt.
+pub const MEMBER_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// split (a step) -> member (a map, faults) -> left | right (a parallel block that
+/// records what it received) -> total (a step).
+pub fn workflow() -> Workflow {
+    let retry =
+        RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
+    Workflow::new(WORKFLOW, 1)
+        .step("split")
+        .stage(Stage::map("member").retry(retry).timeout(MEMBER_TIMEOUT))
+        .stage(Stage::parallel("checks", ["left", "right"]).retry(retry))
+        .step("total")
+}
+
+/// Rates of the faults injected inside handlers (per attempt, except `exhaust`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, clap::Args)]
+pub struct HandlerFaults {
+    /// Fraction of member attempts that fail with a retryable error.
+    #[arg(long, default_value_t = 0.0)]
+    pub error_rate: f64,
+    /// Fraction of members that fail every attempt, ending dead-lettered.
+    #[arg(long, default_value_t = 0.0)]
+    pub exhaust_rate: f64,
+    /// Fraction of member attempts whose handler panics.
+    #[arg(long, default_value_t = 0.0)]
+    pub panic_rate: f64,
+    /// Fraction of member attempts that hang past the stage timeout.
+    #[arg(long, default_value_t = 0.0)]
+    pub hang_rate: f64,
+}
+
+/// What a handler needs: where to record what it saw, and which faults to inject.
+#[derive(Clone)]
+pub struct Context {
+    pub pool: PgPool,
+    pub faults: HandlerFaults,
+    pub seed: u64,
+}
+
+/// A task, as the handler logic sees it.
+pub struct Task<'a> {
+    pub execution_id: ExecutionId,
+    pub task_id: confluo::TaskId,
+    pub stage_index: usize,
+    pub handler: &'a str,
+    pub item_index: u32,
+    pub attempt: u32,
+}
+
+/// A number in [0, 1) fixed by its arguments, the same in every process.
+fn roll(seed: u64, what: impl Hash) -> f64 {
+    let mut h = DefaultHasher::new();
+    (seed, what).hash(&mut h);
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+pub fn member_output(input: &Value) -> Value {
+    json!(input.as_i64().unwrap_or(-1) * 2 + 1)
+}
+
+impl Context {
+    /// Counts an injected fault in the harness's table.
+    pub async fn record_fault(&self, kind: &str) {
+        let _ = sqlx::query("INSERT INTO confluo_stress.fault (kind) VALUES ($1)")
+            .bind(kind)
+            .execute(&self.pool)
+            .await;
+    }
+
+    /// Runs one attempt; with `inject`, faults are injected at their rates.
+    pub async fn perform(
+        &self,
+        task: Task<'_>,
+        input: &Value,
+        inject: bool,
+    ) -> Result<Value, TaskError> {
+        if task.stage_index > 0 && task.item_index == 0 {
+            // The harness's own log of dispatches: a stage dispatched twice would show two
+            // first members for one (execution, stage).
+            sqlx::query(
+                "INSERT INTO confluo_stress.started (execution_id, stage_index, task_id)
+                 VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            )
+            .bind(task.execution_id)
+            .bind(task.stage_index as i32)
+            .bind(task.task_id)
+            .execute(&self.pool)
+            .await
+            .map_err(TaskError::retryable)?;
+        }
+        match task.handler {
+            "split" => {
+                let width = input["width"].as_u64().unwrap_or(0);
+                Ok(json!((0..width).collect::<Vec<_>>()))
+            }
+            "member" => {
+                if inject {
+                    self.inject(&task).await?;
+                }
+                Ok(member_output(input))
+            }
+            "left" | "right" => {
+                let outputs = input["outputs"].as_array().cloned().unwrap_or_default();
+                let failed = input["failed"].as_array().map_or(0, |f| f.len());
+                let sum: i64 = outputs.iter().filter_map(Value::as_i64).sum();
+                sqlx::query(
+                    "INSERT INTO confluo_stress.seen (execution_id, handler, outputs, total, failed)
+                     VALUES ($1, $2, $3, $4, $5)",
+                )
+                .bind(task.execution_id)
+                .bind(task.handler)
+                .bind(outputs.len() as i64)
+                .bind(sum)
+                .bind(failed as i64)
+                .execute(&self.pool)
+                .await
+                .map_err(TaskError::retryable)?;
+                Ok(json!({"outputs": outputs.len(), "total": sum}))
+            }
+            "total" => Ok(input["outputs"]["left"]["total"].clone()),
+            other => Err(TaskError::permanent(format!("no stress handler {other}"))),
+        }
+    }
+
+    async fn inject(&self, task: &Task<'_>) -> Result<(), TaskError> {
+        let f = &self.faults;
+        let per_attempt = |kind: &str| roll(self.seed, (kind, task.task_id, task.attempt));
+        if roll(self.seed, ("exhaust", task.execution_id, task.item_index)) < f.exhaust_rate {
+            self.record_fault("exhausted attempt").await;
+            return Err(TaskError::retryable("injected: this member always fails"));
+        }
+        if per_attempt("error") < f.error_rate {
+            self.record_fault("error").await;
+            return Err(TaskError::retryable("injected error"));
+        }
+        if per_attempt("panic") < f.panic_rate {
+            self.record_fault("panic").await;
+            panic!("injected panic");
+        }
+        if per_attempt("hang") < f.hang_rate {
+            self.record_fault("hang").await;
+            tokio::time::sleep(MEMBER_TIMEOUT * 30).await;
+        }
+        Ok(())
+    }
+
+    /// Registers every stress handler on a worker.
+    pub fn install(&self, mut worker: WorkerBuilder) -> WorkerBuilder {
+        for name in ["split", "member", "left", "right", "total"] {
+            let ctx = self.clone();
+            worker = worker.handler(WORKFLOW, name, move |t| {
+                let ctx = ctx.clone();
+                async move {
+                    let task = Task {
+                        execution_id: t.execution_id(),
+                        task_id: t.task_id(),
+                        stage_index: t.stage_index(),
+                        handler: t.handler(),
+                        item_index: t.item_index(),
+                        attempt: t.attempt(),
+                    };
+                    ctx.perform(task, t.input(), true).await
+                }
+            });
+        }
+        worker
+    }
+}

@@ -1,0 +1,429 @@
+//! `confluo stress`: many wide executions run by several workers (tasks or processes)
+//! under injected faults, then the invariants checked in the database.
+
+mod chaos;
+mod check;
+mod handlers;
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use confluo::{Engine, FanInStrategy};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+use handlers::{Context, HandlerFaults};
+
+/// The application name of worker connections: the connection killer aims at these only.
+const WORKER_APPLICATION: &str = "confluo-stress-worker";
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Executions to run.
+    #[arg(long, default_value_t = 200)]
+    executions: usize,
+    /// Width of each execution's map.
+    #[arg(long, default_value_t = 1_000)]
+    width: usize,
+    /// Worker tasks in this process, each with a pool of its own (ignored with --processes).
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Worker processes to spawn instead of in-process workers.
+    #[arg(long, default_value_t = 0)]
+    processes: usize,
+    /// Fan-in strategy: countdown, striped or row_lock.
+    #[arg(long, default_value = "countdown")]
+    strategy: FanInStrategy,
+    /// Database (created afresh on the server, dropped at the start of the next run).
+    #[arg(long, default_value = "confluo_stress")]
+    database: String,
+    #[command(flatten)]
+    faults: HandlerFaults,
+    /// Completions replayed per second by a rogue client (each must change nothing).
+    #[arg(long, default_value_t = 0.0)]
+    replays_per_second: f64,
+    /// Zombie completions per second: after the lease was reclaimed (each must change nothing).
+    #[arg(long, default_value_t = 0.0)]
+    zombies_per_second: f64,
+    /// Terminate a random worker connection this often, in milliseconds (0: never).
+    #[arg(long, default_value_t = 0)]
+    kill_connection_every_ms: u64,
+    /// SIGKILL a random worker process this often, in milliseconds, and start another
+    /// (0: never; needs --processes).
+    #[arg(long, default_value_t = 0)]
+    kill_worker_every_ms: u64,
+    /// Every fault on, at moderate rates (explicit flags still apply on top).
+    #[arg(long)]
+    all_faults: bool,
+    /// Seed of the injected faults.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Give up waiting for the executions after this many seconds (then check anyway).
+    #[arg(long, default_value_t = 900)]
+    timeout: u64,
+    /// Lease of worker attempts, in milliseconds (short: killed workers' tasks come back soon).
+    #[arg(long, default_value_t = 3_000)]
+    lease_ms: u64,
+}
+
+/// A worker process of a stress run.
+#[derive(clap::Args)]
+pub struct WorkerArgs {
+    /// The handler faults and seed, as JSON.
+    #[arg(long)]
+    config: String,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WorkerConfig {
+    database: String,
+    faults: HandlerFaults,
+    seed: u64,
+    lease_ms: u64,
+}
+
+impl Args {
+    fn apply_all_faults(&mut self) {
+        if !self.all_faults {
+            return;
+        }
+        let f = &mut self.faults;
+        let or = |v: &mut f64, d: f64| {
+            if *v == 0.0 {
+                *v = d
+            }
+        };
+        or(&mut f.error_rate, 0.05);
+        or(&mut f.exhaust_rate, 0.002);
+        or(&mut f.panic_rate, 0.01);
+        or(&mut f.hang_rate, 0.001);
+        or(&mut self.replays_per_second, 20.0);
+        or(&mut self.zombies_per_second, 5.0);
+        if self.kill_connection_every_ms == 0 {
+            self.kill_connection_every_ms = 1_500;
+        }
+        if self.kill_worker_every_ms == 0 && self.processes > 0 {
+            self.kill_worker_every_ms = 4_000;
+        }
+    }
+}
+
+async fn pool(
+    options: &PgConnectOptions,
+    connections: u32,
+    application: &str,
+) -> anyhow::Result<PgPool> {
+    Ok(PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(options.clone().application_name(application))
+        .await?)
+}
+
+/// Drops and creates the run's database, migrates it, and creates the harness's tables.
+async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result<PgConnectOptions> {
+    anyhow::ensure!(
+        name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+        "--database must be letters, digits and underscores"
+    );
+    let mut admin = server.connect().await.context("cannot reach PostgreSQL")?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await?;
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut admin)
+        .await?;
+    let options = server.clone().database(name);
+    let engine = Engine::new(pool(&options, 2, "confluo-stress").await?);
+    engine.migrate().await?;
+    sqlx::raw_sql(
+        "CREATE SCHEMA confluo_stress;
+         CREATE TABLE confluo_stress.fault (kind text NOT NULL, at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE confluo_stress.started (
+             execution_id uuid NOT NULL, stage_index int NOT NULL, task_id uuid NOT NULL,
+             PRIMARY KEY (execution_id, stage_index, task_id));
+         CREATE TABLE confluo_stress.seen (
+             execution_id uuid NOT NULL, handler text NOT NULL, outputs bigint NOT NULL,
+             total bigint NOT NULL, failed bigint NOT NULL);",
+    )
+    .execute(engine.pool())
+    .await?;
+    engine.register(&handlers::workflow()).await?;
+    Ok(options)
+}
+
+/// Runs the stress test against the server of `server` (`url` is the same, for worker
+/// processes).
+pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow::Result<ExitCode> {
+    args.apply_all_faults();
+    let options = fresh_database(&server, &args.database).await?;
+    let main = pool(&options, 6, "confluo-stress").await?;
+    let engine = Engine::builder(main.clone()).fan_in(args.strategy).build();
+    let ctx = Context {
+        pool: main.clone(),
+        faults: args.faults.clone(),
+        seed: args.seed,
+    };
+    println!(
+        "stress: {} executions x width {}, strategy {}, {} on database {}",
+        args.executions,
+        args.width,
+        args.strategy,
+        if args.processes > 0 {
+            format!("{} worker processes", args.processes)
+        } else {
+            format!("{} worker tasks", args.workers)
+        },
+        args.database
+    );
+
+    // Workers.
+    let lease = Duration::from_millis(args.lease_ms);
+    let mut in_process = Vec::new();
+    let mut processes = None;
+    if args.processes > 0 {
+        let config = serde_json::to_string(&WorkerConfig {
+            database: args.database.clone(),
+            faults: args.faults.clone(),
+            seed: args.seed,
+            lease_ms: args.lease_ms,
+        })?;
+        processes = Some(chaos::Processes::spawn(
+            args.processes,
+            vec![
+                "--database-url".into(),
+                url.to_owned(),
+                "stress-worker".into(),
+                "--config".into(),
+                config,
+            ],
+        )?);
+    } else {
+        for _ in 0..args.workers {
+            let worker_pool = pool(&options, 4, WORKER_APPLICATION).await?;
+            let worker_ctx = Context {
+                pool: worker_pool.clone(),
+                ..ctx.clone()
+            };
+            let builder = Engine::new(worker_pool)
+                .worker()
+                .concurrency(16)
+                .lease(lease)
+                .poll_interval(Duration::from_millis(500));
+            in_process.push(worker_ctx.install(builder).start().await?);
+        }
+    }
+
+    // Chaos.
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(chaos::Seen::default());
+    let mut chaos_tasks = Vec::new();
+    if args.replays_per_second > 0.0 {
+        let e = Engine::new(pool(&options, 2, "confluo-stress-rogue").await?);
+        chaos_tasks.push(tokio::spawn(chaos::replays(
+            ctx.clone(),
+            e,
+            args.replays_per_second,
+            stop.clone(),
+            seen.clone(),
+        )));
+    }
+    if args.zombies_per_second > 0.0 {
+        let e = Engine::new(pool(&options, 2, "confluo-stress-rogue").await?);
+        chaos_tasks.push(tokio::spawn(chaos::zombies(
+            ctx.clone(),
+            e,
+            args.zombies_per_second,
+            stop.clone(),
+            seen.clone(),
+        )));
+    }
+    if args.kill_connection_every_ms > 0 {
+        let every = Duration::from_millis(args.kill_connection_every_ms);
+        chaos_tasks.push(tokio::spawn(chaos::kill_connections(
+            engine.clone(),
+            every,
+            stop.clone(),
+            seen.clone(),
+        )));
+    }
+
+    // Executions.
+    let started = Instant::now();
+    let mut ids = Vec::with_capacity(args.executions);
+    for _ in 0..args.executions {
+        ids.push(
+            engine
+                .start(handlers::WORKFLOW, &json!({"width": args.width}))
+                .await?,
+        );
+    }
+    let bar = ProgressBar::new(args.executions as u64).with_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} executions {msg}")?
+            .progress_chars("=> "),
+    );
+    let deadline = started + Duration::from_secs(args.timeout);
+    let mut next_kill = Instant::now() + Duration::from_millis(args.kill_worker_every_ms.max(1));
+    let mut kills = 0usize;
+    let mut crashes = Vec::new();
+    loop {
+        let (terminal, open): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM confluo.execution WHERE status <> 'running'),
+                    (SELECT count(*) FROM confluo.task WHERE status IN ('pending', 'running'))",
+        )
+        .fetch_one(&main)
+        .await?;
+        bar.set_position(terminal as u64);
+        bar.set_message(format!("{open} tasks open"));
+        if (terminal as usize >= args.executions && open == 0) || Instant::now() > deadline {
+            break;
+        }
+        if let Some(p) = processes.as_mut() {
+            if let Some(crash) = p.crashed() {
+                crashes.push(crash);
+            }
+            if args.kill_worker_every_ms > 0 && Instant::now() >= next_kill {
+                p.kill_one(kills * 7 + 3).await?;
+                kills += 1;
+                seen.killed_workers
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                next_kill = Instant::now() + Duration::from_millis(args.kill_worker_every_ms);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let elapsed = started.elapsed();
+    bar.finish_and_clear();
+    stop.store(true, Ordering::Relaxed);
+    for t in chaos_tasks {
+        let _ = t.await;
+    }
+    for w in in_process {
+        w.shutdown().await;
+    }
+    if let Some(p) = processes {
+        p.stop().await;
+    }
+
+    let checks = check::all(&main, args.width).await?;
+    let mut violations: Vec<String> = seen.violations.lock().unwrap().clone();
+    violations.extend(crashes);
+    print!("{}", summary(&main, &args, elapsed, &seen).await?);
+    println!("\ninvariants:");
+    for c in &checks {
+        println!(
+            "  [{}] {}",
+            if c.failures.is_empty() {
+                "ok"
+            } else {
+                "VIOLATED"
+            },
+            c.name
+        );
+        for f in &c.failures {
+            println!("        {f}");
+        }
+    }
+    for v in &violations {
+        println!("  [VIOLATED] {v}");
+    }
+    let failed = checks.iter().any(|c| !c.failures.is_empty()) || !violations.is_empty();
+    println!(
+        "\n{}",
+        if failed {
+            "FAILED: invariants violated"
+        } else {
+            "PASSED: every invariant holds"
+        }
+    );
+    Ok(if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+async fn summary(
+    pool: &PgPool,
+    args: &Args,
+    elapsed: Duration,
+    seen: &chaos::Seen,
+) -> anyhow::Result<String> {
+    let (completed, failed, tasks, retries, dead, fired): (i64, i64, i64, i64, i64, i64) =
+        sqlx::query_as(
+            "SELECT (SELECT count(*) FROM confluo.execution WHERE status = 'completed'),
+                (SELECT count(*) FROM confluo.execution WHERE status = 'failed'),
+                (SELECT count(*) FROM confluo.task),
+                (SELECT COALESCE(sum(greatest(attempt - 1, 0)), 0)::bigint FROM confluo.task),
+                (SELECT count(*) FROM confluo.task WHERE status = 'dead'),
+                (SELECT count(*) FROM confluo.stage_group WHERE fired_at IS NOT NULL)",
+        )
+        .fetch_one(pool)
+        .await?;
+    let faults: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT kind, count(*) FROM confluo_stress.fault GROUP BY kind ORDER BY kind",
+    )
+    .fetch_all(pool)
+    .await?;
+    let mut out = String::from("\nsummary\n");
+    let mut line = |k: &str, v: String| out += &format!("  {k:<28} {v}\n");
+    line("strategy", args.strategy.to_string());
+    line(
+        "executions",
+        format!(
+            "{} ({completed} completed, {failed} failed)",
+            args.executions
+        ),
+    );
+    line("tasks", tasks.to_string());
+    line("retries (extra attempts)", retries.to_string());
+    line("dead letters", dead.to_string());
+    line("groups fired", fired.to_string());
+    line("elapsed", format!("{:.1} s", elapsed.as_secs_f64()));
+    line(
+        "throughput",
+        format!("{:.0} tasks/s", tasks as f64 / elapsed.as_secs_f64()),
+    );
+    line("faults injected:", String::new());
+    for (kind, n) in faults {
+        line(&format!("  {kind}"), n.to_string());
+    }
+    line(
+        "  connection killed",
+        seen.killed_connections.load(Ordering::Relaxed).to_string(),
+    );
+    line(
+        "  worker process killed",
+        seen.killed_workers.load(Ordering::Relaxed).to_string(),
+    );
+    Ok(out)
+}
+
+/// A worker process: the stress handlers until killed.
+pub async fn worker_process(
+    options: PgConnectOptions,
+    args: WorkerArgs,
+) -> anyhow::Result<ExitCode> {
+    let config: WorkerConfig = serde_json::from_str(&args.config)?;
+    let options = options.database(&config.database);
+    let worker_pool = pool(&options, 4, WORKER_APPLICATION).await?;
+    let ctx = Context {
+        pool: worker_pool.clone(),
+        faults: config.faults,
+        seed: config.seed,
+    };
+    let builder = Engine::new(worker_pool)
+        .worker()
+        .concurrency(16)
+        .lease(Duration::from_millis(config.lease_ms))
+        .poll_interval(Duration::from_millis(500));
+    let worker = ctx.install(builder).start().await?;
+    tokio::signal::ctrl_c().await?;
+    worker.shutdown().await;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,91 @@
+//! A small stress run in the test suite: every in-process fault kind on, worker
+//! processes killed with SIGKILL, and the harness's invariant checks must all pass.
+
+use std::process::Command;
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+fn stress(args: &[&str], database: &str) -> (bool, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .args([
+            "--database-url",
+            &database_url(),
+            "stress",
+            "--database",
+            database,
+        ])
+        .args(args)
+        .output()
+        .expect("run confluo stress");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    (output.status.success(), format!("{stdout}\n{stderr}"))
+}
+
+/// The count the summary gives for a fault kind.
+fn injected(out: &str, fault: &str) -> u64 {
+    out.lines()
+        .find(|l| l.trim_start().starts_with(fault) && l.contains("  "))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn small_stress_run_with_every_fault_keeps_every_invariant() {
+    let (ok, out) = stress(
+        &[
+            "--executions",
+            "12",
+            "--width",
+            "150",
+            "--processes",
+            "2",
+            "--all-faults",
+            "--kill-worker-every-ms",
+            "2000",
+            "--lease-ms",
+            "1500",
+            "--timeout",
+            "300",
+        ],
+        "confluo_stress_test_multi",
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("PASSED: every invariant holds"), "{out}");
+    for fault in [
+        "error",
+        "panic",
+        "replayed completion",
+        "zombie completion",
+        "connection killed",
+        "worker process killed",
+    ] {
+        assert!(injected(&out, fault) > 0, "no {fault} injected:\n{out}");
+    }
+}
+
+#[test]
+fn small_in_process_stress_run_on_the_striped_countdown() {
+    let (ok, out) = stress(
+        &[
+            "--executions",
+            "10",
+            "--width",
+            "300",
+            "--workers",
+            "3",
+            "--strategy",
+            "striped",
+            "--all-faults",
+            "--timeout",
+            "300",
+        ],
+        "confluo_stress_test_striped",
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("PASSED: every invariant holds"), "{out}");
+}
