@@ -54,7 +54,12 @@ impl Engine {
         let tokens: Vec<LeaseToken> = items.iter().map(|(t, _)| t.lease).collect();
         let outputs: Vec<Json<&Value>> = items.iter().map(|(_, o)| Json(o)).collect();
 
-        let mut tx = self.pool().begin().await?;
+        let mut conn = self.pool().acquire().await?;
+        // Most batches hold no group's last arrival: one statement, no transaction.
+        if tasks::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await? {
+            return Ok(vec![Outcome::Completed { fired: false }; items.len()]);
+        }
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let done = tasks::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
         let mut fired_groups = HashSet::new();
         for group in fanin::last_arrivals(&mut tx, &done).await? {
@@ -64,6 +69,7 @@ impl Engine {
             }
         }
         tx.commit().await?;
+        drop(conn); // explaining a no-match may need the pool's only connection
 
         // `fired` goes to the batch's last member of each group that fired.
         let group_of: HashMap<TaskId, GroupId> = done.iter().map(|r| (r.id, r.group_id)).collect();

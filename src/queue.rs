@@ -194,7 +194,8 @@ impl Engine {
     /// repeat the call to find out).
     ///
     /// # Cancel safety
-    /// One transaction: dropped before the commit, nothing is recorded.
+    /// One transaction (a single statement when the arrival cannot be its group's last):
+    /// dropped before the commit, nothing is recorded.
     pub async fn complete(&self, task: &ClaimedTask, output: Value) -> Result<Outcome> {
         self.check_output(task, &output).await?;
         let mut conflicts = 0;
@@ -240,13 +241,28 @@ impl Engine {
     }
 
     async fn complete_once(&self, task: &ClaimedTask, output: &Value) -> Result<Outcome> {
-        let mut tx = self.pool().begin().await?;
+        let mut conn = self.pool().acquire().await?;
+        // Most arrivals are not their group's last: one statement, no transaction around
+        // it. A step's only member always is, so it goes straight to the transaction.
+        let is_step = self
+            .cached_definition(&task.workflow, task.workflow_version)
+            .is_none_or(|w| matches!(w.stages()[task.stage_index].kind(), StageKind::Step));
+        if !is_step
+            && task
+                .fan_in
+                .complete_unless_last(&mut conn, task.id, task.lease, output)
+                .await?
+        {
+            return Ok(Outcome::Completed { fired: false });
+        }
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let arrival = task
             .fan_in
             .complete(&mut tx, task.id, task.lease, output)
             .await?;
         let Some(arrival) = arrival else {
             drop(tx);
+            drop(conn); // a pool of one connection needs it back to explain
             return self.explain_no_match(task.id, task.lease).await;
         };
         let fired = arrival.last

@@ -95,6 +95,29 @@ impl FanInStrategy {
         }
     }
 
+    /// Records a successful attempt that cannot be its group's last in one statement of
+    /// its own (its own implicit transaction: status and count-down still commit
+    /// together), for the strategies that keep a counter. False, with nothing changed,
+    /// when it may be the last arrival or the guard matches nothing: then
+    /// [`complete`](Self::complete) in a transaction decides.
+    pub(crate) async fn complete_unless_last(
+        self,
+        conn: &mut PgConnection,
+        id: TaskId,
+        token: LeaseToken,
+        output: &Value,
+    ) -> Result<bool> {
+        match self {
+            FanInStrategy::Countdown => {
+                tasks::complete_unless_last(conn, id, token, output, false).await
+            }
+            FanInStrategy::Striped => {
+                tasks::complete_unless_last(conn, id, token, output, true).await
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// Decides whether a terminal arrival whose status this transaction already wrote (a
     /// completion by a re-counting strategy, or a dead letter) was its group's last.
     /// `remaining` is what that statement left on the counter of a countdown group.

@@ -132,6 +132,57 @@ pub(crate) async fn complete_counting_down(
     .await?)
 }
 
+/// Completes a running attempt and counts its group (countdown) or its stripe (striped)
+/// down in one statement meant to run on its own, outside any transaction, when that
+/// cannot be the last arrival: the counter is only touched while it is above 1, and the
+/// status only written if the counter was, so the statement either does both or nothing.
+/// No BEGIN or COMMIT round trip: the hot row is held for the statement and its commit
+/// only. Returns false, having changed nothing, when the counter is at 1 (this may be the
+/// last arrival: the caller takes the transactional path, which can fire) or when the
+/// guard matches nothing. The task row is locked first, as every completion does.
+pub(crate) async fn complete_unless_last(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    output: &Value,
+    striped: bool,
+) -> Result<bool> {
+    let counted = if striped {
+        "UPDATE confluo.group_stripe s SET remaining = s.remaining - 1
+           FROM t, confluo.stage_group g
+          WHERE g.id = t.group_id AND s.group_id = t.group_id
+            AND s.stripe = confluo.stripe_of(t.item_index, g.stripe_run, g.stripes)
+            AND s.remaining > 1
+      RETURNING s.group_id"
+    } else {
+        "UPDATE confluo.stage_group g SET remaining = g.remaining - 1
+           FROM t WHERE g.id = t.group_id AND g.remaining > 1
+      RETURNING g.id"
+    };
+    let sql = format!(
+        "WITH t AS (
+            SELECT id, group_id, item_index FROM confluo.task
+             WHERE id = $1 AND lease_token = $2 AND status = 'running'
+               FOR NO KEY UPDATE
+         ), counted AS ({counted}
+         ), done AS (
+            UPDATE confluo.task x
+               SET status = 'completed', output = $3, finished_at = now(),
+                   lease_expires_at = NULL
+              FROM t, counted WHERE x.id = t.id
+         RETURNING x.id
+         )
+         SELECT count(*) FROM done"
+    );
+    let done: i64 = sqlx::query_scalar(&sql)
+        .bind(id)
+        .bind(token)
+        .bind(Json(output))
+        .fetch_one(conn)
+        .await?;
+    Ok(done == 1)
+}
+
 /// The group of a member whose terminal status was just written.
 #[derive(Debug, Clone, Copy, FromRow)]
 pub(crate) struct MemberRow {
@@ -445,6 +496,77 @@ pub(crate) async fn complete_many(
     .bind(tokens)
     .bind(outputs)
     .fetch_all(conn)
+    .await?)
+}
+
+/// [`complete_many`] in one statement meant to run on its own, outside any transaction,
+/// when the batch holds no group's last arrival: every item must hold its lease, every
+/// group must keep a counter (countdown or striped), and every counter it touches must
+/// stay above zero; otherwise it changes nothing and returns false, and the caller takes
+/// the transactional path, which can fire. Locks are taken as everywhere else: task rows,
+/// then stripes, then groups, each in one order.
+pub(crate) async fn complete_many_unless_last(
+    conn: &mut PgConnection,
+    ids: &[TaskId],
+    tokens: &[LeaseToken],
+    outputs: &[Json<&Value>],
+) -> Result<bool> {
+    Ok(sqlx::query_scalar(
+        "WITH t AS (
+            SELECT x.id, x.group_id, x.item_index, i.output
+              FROM confluo.task x
+              JOIN unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
+                ON x.id = i.id AND x.lease_token = i.token
+             WHERE x.status = 'running'
+             ORDER BY x.id
+               FOR NO KEY UPDATE OF x
+         ), arrived AS (
+            SELECT t.*, g.fan_in,
+                   CASE WHEN g.fan_in = 'striped'
+                        THEN confluo.stripe_of(t.item_index, g.stripe_run, g.stripes) END AS stripe
+              FROM t JOIN confluo.stage_group g ON g.id = t.group_id
+         ), per_counter AS (
+            SELECT group_id, stripe, count(*)::int AS n FROM arrived GROUP BY 1, 2
+         ), stripes_locked AS (
+            SELECT s.group_id, s.stripe, s.remaining, p.n FROM confluo.group_stripe s
+              JOIN per_counter p ON s.group_id = p.group_id AND s.stripe = p.stripe
+             ORDER BY s.group_id, s.stripe
+               FOR NO KEY UPDATE OF s
+         ), groups_locked AS (
+            SELECT g.id, g.remaining, p.n FROM confluo.stage_group g
+              JOIN per_counter p ON g.id = p.group_id AND p.stripe IS NULL
+             WHERE g.fan_in = 'countdown'
+             ORDER BY g.id
+               FOR NO KEY UPDATE OF g
+         ), go AS (
+            SELECT (SELECT count(DISTINCT id) FROM arrived) = cardinality($1::uuid[])
+               AND cardinality($1::uuid[]) = (SELECT count(DISTINCT i) FROM unnest($1::uuid[]) i)
+               AND NOT EXISTS (SELECT 1 FROM arrived WHERE fan_in NOT IN ('countdown', 'striped'))
+               AND (SELECT count(*) FROM stripes_locked) + (SELECT count(*) FROM groups_locked)
+                   = (SELECT count(*) FROM per_counter)
+               AND (SELECT coalesce(bool_and(remaining > n), true) FROM stripes_locked)
+               AND (SELECT coalesce(bool_and(remaining > n), true) FROM groups_locked) AS ok
+         ), stripes_counted AS (
+            UPDATE confluo.group_stripe s SET remaining = s.remaining - l.n
+              FROM stripes_locked l, go
+             WHERE go.ok AND s.group_id = l.group_id AND s.stripe = l.stripe
+         ), groups_counted AS (
+            UPDATE confluo.stage_group g SET remaining = g.remaining - l.n
+              FROM groups_locked l, go
+             WHERE go.ok AND g.id = l.id
+         ), done AS (
+            UPDATE confluo.task x
+               SET status = 'completed', output = t.output, finished_at = now(),
+                   lease_expires_at = NULL
+              FROM t, go
+             WHERE go.ok AND x.id = t.id
+         )
+         SELECT ok FROM go",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .bind(outputs)
+    .fetch_one(conn)
     .await?)
 }
 
