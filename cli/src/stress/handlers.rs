@@ -61,6 +61,19 @@ pub struct Task<'a> {
     pub attempt: u32,
 }
 
+/// The message of injected panics.
+const INJECTED_PANIC: &str = "injected panic";
+
+/// Keeps injected panics (thousands in a run) out of stderr; other panics still print.
+pub fn silence_injected_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<&str>() != Some(&INJECTED_PANIC) {
+            default(info);
+        }
+    }));
+}
+
 /// A number in [0, 1) fixed by its arguments, the same in every process.
 fn roll(seed: u64, what: impl Hash) -> f64 {
     let mut h = DefaultHasher::new();
@@ -149,7 +162,7 @@ impl Context {
         }
         if per_attempt("panic") < f.panic_rate {
             self.record_fault("panic").await;
-            panic!("injected panic");
+            std::panic::panic_any(INJECTED_PANIC);
         }
         if per_attempt("hang") < f.hang_rate {
             self.record_fault("hang").await;

@@ -161,6 +161,7 @@ async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result
 /// processes).
 pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow::Result<ExitCode> {
     args.apply_all_faults();
+    handlers::silence_injected_panics();
     let options = fresh_database(&server, &args.database).await?;
     let main = pool(&options, 6, "confluo-stress").await?;
     let engine = Engine::builder(main.clone()).fan_in(args.strategy).build();
@@ -410,6 +411,7 @@ pub async fn worker_process(
     args: WorkerArgs,
 ) -> anyhow::Result<ExitCode> {
     let config: WorkerConfig = serde_json::from_str(&args.config)?;
+    handlers::silence_injected_panics();
     let options = options.database(&config.database);
     let worker_pool = pool(&options, 4, WORKER_APPLICATION).await?;
     let ctx = Context {
