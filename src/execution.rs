@@ -51,6 +51,25 @@ impl ExecutionStatus {
     }
 }
 
+/// A status name that is not one of `running`, `completed`, `failed`, `cancelled`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown execution status {0:?} (running, completed, failed or cancelled)")]
+pub struct UnknownStatus(pub String);
+
+impl std::str::FromStr for ExecutionStatus {
+    type Err = UnknownStatus;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "running" => Ok(ExecutionStatus::Running),
+            "completed" => Ok(ExecutionStatus::Completed),
+            "failed" => Ok(ExecutionStatus::Failed),
+            "cancelled" | "canceled" => Ok(ExecutionStatus::Cancelled),
+            other => Err(UnknownStatus(other.to_owned())),
+        }
+    }
+}
+
 impl fmt::Display for ExecutionStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

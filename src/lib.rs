@@ -63,6 +63,7 @@ mod execution;
 mod fanin;
 mod handler;
 mod ids;
+mod listing;
 mod queue;
 mod store;
 mod worker;
@@ -73,11 +74,12 @@ pub use engine::{Engine, EngineBuilder, StartOptions};
 pub use error::{Error, Result};
 pub use execution::{
     AttemptError, DeadLetter, Execution, ExecutionStatus, MapResults, MemberFailure,
-    ParallelResults, StageProgress,
+    ParallelResults, StageProgress, UnknownStatus,
 };
 pub use fanin::{FanInStrategy, UnknownStrategy};
 pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+pub use listing::{ExecutionSummary, ListFilter};
 pub use queue::{ClaimedTask, Outcome};
 pub use worker::{Worker, WorkerBuilder};
 

@@ -2,11 +2,15 @@
 //!
 //! ```sh
 //! confluo migrate
+//! confluo list --status failed
+//! confluo inspect <execution>
+//! confluo cancel <execution>
 //! confluo doctor [--repair] [--json]
 //! confluo stress --executions 200 --width 1000 --processes 3 --all-faults
 //! ```
 
 mod doctor;
+mod executions;
 mod stress;
 
 use std::time::Duration;
@@ -35,6 +39,12 @@ struct Cli {
 enum Command {
     /// Applies confluo's migrations (idempotent; safe from several processes).
     Migrate,
+    /// A timeline of one execution: its stages and their members, progress, dead letters.
+    Inspect(executions::InspectArgs),
+    /// Executions, newest first, filtered by workflow and status.
+    List(executions::ListArgs),
+    /// Cancels an execution: its pending tasks never run, nothing more is dispatched.
+    Cancel(executions::CancelArgs),
     /// Finds what should never exist: groups whose counter disagrees with their members,
     /// groups with every member terminal that never fired, running executions with
     /// nothing left to run. Exits 1 when it finds something (and did not repair it).
@@ -79,6 +89,9 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             println!("migrations applied");
             Ok(std::process::ExitCode::SUCCESS)
         }
+        Command::Inspect(args) => executions::inspect(connect(&options, 2).await?, args).await,
+        Command::List(args) => executions::list(connect(&options, 2).await?, args).await,
+        Command::Cancel(args) => executions::cancel(connect(&options, 2).await?, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
         Command::Stress(args) => {
             let url = cli.database_url.as_deref().unwrap_or_default();

@@ -291,3 +291,27 @@ where
     .fetch_all(executor)
     .await?)
 }
+
+/// Executions, newest first, optionally of one workflow and in one status.
+pub(crate) async fn list<'e, E>(
+    executor: E,
+    workflow: Option<&str>,
+    status: Option<&str>,
+    limit: i64,
+) -> Result<Vec<ExecutionRow>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(sqlx::query_as(
+        "SELECT * FROM confluo.execution
+          WHERE ($1::text IS NULL OR workflow_name = $1)
+            AND ($2::text IS NULL OR status = $2)
+          ORDER BY created_at DESC, id
+          LIMIT $3",
+    )
+    .bind(workflow)
+    .bind(status)
+    .bind(limit)
+    .fetch_all(executor)
+    .await?)
+}

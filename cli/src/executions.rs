@@ -1,0 +1,142 @@
+//! `confluo inspect`, `list` and `cancel`: executions as tables or JSON.
+
+use std::process::ExitCode;
+
+use confluo::{Engine, Execution, ExecutionId, ExecutionStatus, ListFilter};
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    /// The execution's id.
+    id: uuid::Uuid,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct ListArgs {
+    /// Only executions of this workflow.
+    #[arg(long)]
+    workflow: Option<String>,
+    /// Only executions in this status: running, completed, failed or cancelled.
+    #[arg(long)]
+    status: Option<ExecutionStatus>,
+    /// At most this many, newest first.
+    #[arg(long, default_value_t = 50)]
+    limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct CancelArgs {
+    /// The execution's id.
+    id: uuid::Uuid,
+}
+
+pub async fn inspect(engine: Engine, args: InspectArgs) -> anyhow::Result<ExitCode> {
+    let execution = engine.execution(ExecutionId::from(args.id)).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&execution)?);
+    } else {
+        print!("{}", timeline(&execution));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn timeline(e: &Execution) -> String {
+    let mut out = format!(
+        "execution {}\n  workflow {} v{}, {}, started {}",
+        e.id, e.workflow, e.version, e.status, e.created_at
+    );
+    if let Some(finished) = e.finished_at {
+        out += &format!(
+            ", finished {finished} ({:.1} s)",
+            (finished - e.created_at).as_seconds_f64()
+        );
+    }
+    if let Some(error) = &e.error {
+        out += &format!("\n  error: {error}");
+    }
+    out += &format!(
+        "\n\n  {:>3} {:<16} {:<8} {:>7} {:>9} {:>7} {:>7} {:>5} {:>9} {:>9}  {}\n",
+        "#",
+        "stage",
+        "kind",
+        "width",
+        "completed",
+        "running",
+        "pending",
+        "dead",
+        "cancelled",
+        "remaining",
+        "fired"
+    );
+    for s in &e.stages {
+        out += &format!(
+            "  {:>3} {:<16} {:<8} {:>7} {:>9} {:>7} {:>7} {:>5} {:>9} {:>9}  {}\n",
+            s.index,
+            s.name,
+            s.kind,
+            s.width,
+            s.completed,
+            s.running,
+            s.pending,
+            s.dead,
+            s.cancelled,
+            s.remaining,
+            s.fired_at.map_or("-".to_owned(), |t| t.to_string())
+        );
+    }
+    if !e.dead_letters.is_empty() {
+        out += &format!("\n  dead letters ({}):\n", e.dead_letters.len());
+        for d in &e.dead_letters {
+            let last = d.errors.last().map_or("", |a| a.error.as_str());
+            out += &format!(
+                "    task {} stage {} {}[{}]: {} attempts, last error: {last}\n",
+                d.task_id, d.stage_index, d.handler, d.item_index, d.attempts
+            );
+        }
+    }
+    out
+}
+
+pub async fn list(engine: Engine, args: ListArgs) -> anyhow::Result<ExitCode> {
+    let mut filter = ListFilter::new().limit(args.limit);
+    if let Some(workflow) = args.workflow {
+        filter = filter.workflow(workflow);
+    }
+    if let Some(status) = args.status {
+        filter = filter.status(status);
+    }
+    let executions = engine.list(&filter).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&executions)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<36}  {:<20} {:>3}  {:<9} {:>5}  {:<32}",
+        "id", "workflow", "v", "status", "stage", "started"
+    );
+    for e in &executions {
+        println!(
+            "{:<36}  {:<20} {:>3}  {:<9} {:>5}  {}",
+            e.id, e.workflow, e.version, e.status, e.current_stage, e.created_at
+        );
+    }
+    println!("{} executions", executions.len());
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn cancel(engine: Engine, args: CancelArgs) -> anyhow::Result<ExitCode> {
+    let id = ExecutionId::from(args.id);
+    if engine.cancel(id).await? {
+        println!("cancelled {id}: its pending tasks will not run, nothing more is dispatched");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        let status = engine.status(id).await?;
+        println!("{id} is {status}: nothing to cancel");
+        Ok(ExitCode::from(1))
+    }
+}

@@ -1,0 +1,158 @@
+//! The CLI's everyday commands against a real database: list, inspect, cancel, doctor,
+//! and clear errors for unknown ids, bad flags and unreachable servers.
+
+use std::process::{Command, Output};
+
+use confluo::{Engine, Stage, Workflow};
+use sqlx::ConnectOptions;
+
+fn server_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// `url` with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let base = base.rsplit_once('/').map_or(base, |(b, _)| b);
+    match query {
+        Some(q) => format!("{base}/{database}?{q}"),
+        None => format!("{base}/{database}"),
+    }
+}
+
+fn confluo(url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .args(["--database-url", url])
+        .args(args)
+        .output()
+        .expect("run confluo")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[tokio::test]
+async fn list_inspect_cancel_and_doctor() {
+    let database = "confluo_cli_commands_test";
+    let mut admin = server_url()
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .connect()
+        .await
+        .expect("DATABASE_URL reachable");
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!("CREATE DATABASE {database}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let url = with_database(&server_url(), database);
+
+    let migrated = confluo(&url, &["migrate"]);
+    assert!(migrated.status.success(), "{}", text(&migrated));
+    let engine = Engine::connect(&url).await.unwrap();
+    engine
+        .register(
+            &Workflow::new("orders", 1)
+                .step("charge")
+                .stage(Stage::map("ship")),
+        )
+        .await
+        .unwrap();
+    let first = engine
+        .start("orders", &serde_json::json!({"n": 1}))
+        .await
+        .unwrap();
+    let second = engine
+        .start("orders", &serde_json::json!({"n": 2}))
+        .await
+        .unwrap();
+
+    let listed = confluo(&url, &["list", "--workflow", "orders"]);
+    assert!(listed.status.success(), "{}", text(&listed));
+    let out = text(&listed);
+    assert!(
+        out.contains(&first.to_string()) && out.contains(&second.to_string()),
+        "{out}"
+    );
+    assert!(out.contains("2 executions"), "{out}");
+
+    let inspected = confluo(&url, &["inspect", &first.to_string()]);
+    assert!(inspected.status.success(), "{}", text(&inspected));
+    let out = text(&inspected);
+    assert!(
+        out.contains("orders v1, running") && out.contains("charge"),
+        "{out}"
+    );
+
+    let json = confluo(&url, &["inspect", &first.to_string(), "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
+    assert_eq!(value["status"], "running");
+
+    let cancelled = confluo(&url, &["cancel", &first.to_string()]);
+    assert!(cancelled.status.success(), "{}", text(&cancelled));
+    let again = confluo(&url, &["cancel", &first.to_string()]);
+    assert_eq!(again.status.code(), Some(1), "{}", text(&again));
+    assert!(text(&again).contains("is cancelled"), "{}", text(&again));
+
+    let only_running = confluo(&url, &["list", "--status", "running", "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&only_running.stdout).expect("JSON");
+    assert_eq!(value.as_array().map(Vec::len), Some(1));
+    assert_eq!(value[0]["id"], second.to_string());
+
+    let doctor = confluo(&url, &["doctor"]);
+    assert!(doctor.status.success(), "{}", text(&doctor));
+    assert!(text(&doctor).contains("healthy"));
+
+    // Clear errors.
+    let unknown = confluo(&url, &["inspect", "7c3f1e2a-0000-4000-8000-000000000000"]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(text(&unknown).contains("not found"), "{}", text(&unknown));
+    let bad_id = confluo(&url, &["inspect", "not-a-uuid"]);
+    assert!(!bad_id.status.success());
+    assert!(text(&bad_id).contains("invalid value"), "{}", text(&bad_id));
+    let bad_status = confluo(&url, &["list", "--status", "sleeping"]);
+    assert!(
+        text(&bad_status).contains("unknown execution status"),
+        "{}",
+        text(&bad_status)
+    );
+    let unreachable = confluo("postgres://postgres@127.0.0.1:1/postgres", &["list"]);
+    assert_eq!(unreachable.status.code(), Some(2));
+    assert!(
+        text(&unreachable).contains("cannot reach PostgreSQL"),
+        "{}",
+        text(&unreachable)
+    );
+
+    engine.pool().close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}
+
+#[test]
+fn no_database_configured_says_how_to_point_at_one() {
+    let out = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .arg("list")
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("--database-url or set DATABASE_URL"),
+        "{}",
+        text(&out)
+    );
+}

@@ -1,0 +1,114 @@
+//! Listing executions: the newest first, filtered by workflow and status.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::execution::ExecutionStatus;
+use crate::ids::ExecutionId;
+use crate::store::executions;
+
+/// Which executions [`Engine::list`] returns.
+///
+/// ```
+/// use confluo::{ExecutionStatus, ListFilter};
+/// let filter = ListFilter::new().workflow("orders").status(ExecutionStatus::Failed).limit(20);
+/// # let _ = filter;
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ListFilter {
+    /// Only executions of this workflow.
+    pub workflow: Option<String>,
+    /// Only executions in this status.
+    pub status: Option<ExecutionStatus>,
+    /// At most this many (default 50).
+    pub limit: usize,
+}
+
+impl Default for ListFilter {
+    fn default() -> Self {
+        ListFilter {
+            workflow: None,
+            status: None,
+            limit: 50,
+        }
+    }
+}
+
+impl ListFilter {
+    /// Every execution, 50 at most.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only executions of `workflow`.
+    pub fn workflow(mut self, workflow: impl Into<String>) -> Self {
+        self.workflow = Some(workflow.into());
+        self
+    }
+
+    /// Only executions in `status`.
+    pub fn status(mut self, status: ExecutionStatus) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// At most `limit` executions.
+    pub fn limit(mut self, limit: usize) -> Self {
+        self.limit = limit;
+        self
+    }
+}
+
+/// One execution in a listing.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct ExecutionSummary {
+    /// The execution.
+    pub id: ExecutionId,
+    /// Its workflow.
+    pub workflow: String,
+    /// The workflow version it is pinned to.
+    pub version: i32,
+    /// Where it stands.
+    pub status: ExecutionStatus,
+    /// The stage it is at (the number of stages once completed).
+    pub current_stage: usize,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+    /// When it started.
+    pub created_at: DateTime<Utc>,
+    /// When it ended, if it did.
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+impl Engine {
+    /// Executions matching `filter`, the newest first.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<ExecutionSummary>> {
+        let rows = executions::list(
+            self.pool(),
+            filter.workflow.as_deref(),
+            filter.status.map(ExecutionStatus::as_str),
+            i64::try_from(filter.limit).unwrap_or(i64::MAX),
+        )
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| ExecutionSummary {
+                id: r.id,
+                workflow: r.workflow_name,
+                version: r.workflow_version,
+                status: ExecutionStatus::parse(&r.status),
+                current_stage: r.current_stage as usize,
+                error: r.error,
+                created_at: r.created_at,
+                finished_at: r.finished_at,
+            })
+            .collect())
+    }
+}
