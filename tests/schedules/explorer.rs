@@ -14,10 +14,21 @@ use sqlx::PgPool;
 
 use super::gate::{Gate, Turn};
 
-/// One finisher: an engine whose only connection goes through a gate.
+/// One finisher: an engine whose only connection goes through a gate, and how its
+/// member ends.
 struct Finisher {
     engine: Engine,
     gate: Gate,
+    end: End,
+}
+
+/// How a finisher's member ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// `complete()`: one statement while the counter stays above 1, else a transaction.
+    Complete,
+    /// `fail(.., permanent)`: dead-lettered in a transaction that also decides fan-in.
+    DeadLetter,
 }
 
 /// What one schedule did.
@@ -66,12 +77,13 @@ pub struct Explorer {
 }
 
 impl Explorer {
-    /// `k` finishers against the database of `options`, for groups decided by `strategy`.
+    /// One finisher per entry of `ends` against the database of `options`, for groups
+    /// decided by `strategy`.
     pub async fn new(
         pool: PgPool,
         options: &PgConnectOptions,
         strategy: FanInStrategy,
-        k: usize,
+        ends: &[End],
     ) -> Explorer {
         let workflow = format!("explore-{strategy}");
         let wf = Workflow::new(&workflow, 1)
@@ -80,7 +92,7 @@ impl Explorer {
         let setup = Engine::new(pool.clone());
         setup.register(&wf).await.expect("register");
         let mut finishers = Vec::new();
-        for _ in 0..k {
+        for &end in ends {
             let gate = Gate::start(options).await;
             let pool = PgPoolOptions::new()
                 .max_connections(1)
@@ -89,7 +101,7 @@ impl Explorer {
                 .expect("connect through the gate");
             let engine = Engine::new(pool);
             engine.register(&wf).await.expect("cache the definition");
-            finishers.push(Finisher { engine, gate });
+            finishers.push(Finisher { engine, gate, end });
         }
         Explorer {
             setup,
@@ -162,8 +174,13 @@ impl Explorer {
             .zip(tasks)
             .enumerate()
             .map(|(i, (f, task))| {
-                let engine = f.engine.clone();
-                tokio::spawn(async move { engine.complete(&task, json!(i)).await })
+                let (engine, end) = (f.engine.clone(), f.end);
+                tokio::spawn(async move {
+                    match end {
+                        End::Complete => engine.complete(&task, json!(i)).await,
+                        End::DeadLetter => engine.fail(&task, "injected", true).await,
+                    }
+                })
             })
             .collect();
 
@@ -206,7 +223,9 @@ impl Explorer {
         }
         for h in handles {
             match h.await.expect("finisher panicked").expect("complete") {
-                Outcome::Completed { fired } => run.fired += usize::from(fired),
+                Outcome::Completed { fired } | Outcome::DeadLettered { fired } => {
+                    run.fired += usize::from(fired)
+                }
                 other => panic!("unexpected outcome {other:?}"),
             }
         }

@@ -1,6 +1,7 @@
 //! The proof of `design.md` section 1, made executable: K members of a group finish
-//! together, and the explorer drives their transactions statement by statement, over
-//! separate connections, in every order (K = 2 and 3) or in random orders (K = 5).
+//! together (completed, or some dead-lettered), and the explorer drives their transactions
+//! statement by statement, over separate connections, in every order (K = 2 and 3) or in
+//! random orders (K = 5).
 //! `naive` must stall on some schedule; every other strategy must dispatch exactly once
 //! on every schedule.
 //!
@@ -13,20 +14,26 @@ mod gate;
 
 use common::TestDb;
 use confluo::FanInStrategy;
-use explorer::{Explorer, Summary};
+use explorer::{End, Explorer, Summary};
 
 /// Refuses to explore more schedules than this (a guard against an explosion).
 const LIMIT: usize = 20_000;
 
-async fn explore(strategy: FanInStrategy, k: usize, sample: Option<usize>) -> Summary {
+async fn explore(strategy: FanInStrategy, ends: &[End], sample: Option<usize>) -> Summary {
+    let k = ends.len();
     let db = TestDb::new(4).await;
-    let explorer = Explorer::new(db.pool.clone(), &db.options(), strategy, k).await;
+    let explorer = Explorer::new(db.pool.clone(), &db.options(), strategy, ends).await;
     let summary = match sample {
         None => explorer.exhaustive(LIMIT).await,
         Some(n) => explorer.random(n, 0x5eed + k as u64).await,
     };
+    let mixed = if ends.contains(&End::DeadLetter) {
+        "+dead"
+    } else {
+        ""
+    };
     println!(
-        "{strategy:<10} K={k} {:<10} schedules {:>5}  exactly once {:>5}  stalls {:>4}  double fires {:>3}",
+        "{strategy:<10} K={k}{mixed:<5} {:<6} schedules {:>5}  exactly once {:>5}  stalls {:>4}  double fires {:>3}",
         if sample.is_some() { "random" } else { "every" },
         summary.schedules,
         summary.exactly_once,
@@ -38,8 +45,18 @@ async fn explore(strategy: FanInStrategy, k: usize, sample: Option<usize>) -> Su
 }
 
 async fn exactly_once_on_every_schedule(strategy: FanInStrategy) {
-    for (k, sample) in [(2, None), (3, None), (5, Some(60))] {
-        let summary = explore(strategy, k, sample).await;
+    use End::{Complete as C, DeadLetter as D};
+    let cases: [(&[End], Option<usize>); 5] = [
+        (&[C, C], None),
+        (&[C, C, C], None),
+        // Dead letters take the transactional path on every arrival.
+        (&[C, D], None),
+        (&[D, C, D], None),
+        (&[C, C, D, C, C], Some(60)),
+    ];
+    for (ends, sample) in cases {
+        let k = ends.len();
+        let summary = explore(strategy, ends, sample).await;
         if let Some(run) = &summary.first_violation {
             panic!(
                 "{strategy} with K={k}: dispatched {} times, {} told fired, on:\n{}",
@@ -74,7 +91,8 @@ async fn row_lock_dispatches_exactly_once_on_every_schedule() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn naive_recount_stalls_on_some_schedule() {
     for k in [2, 3] {
-        let summary = explore(FanInStrategy::NaiveRecount, k, None).await;
+        let ends = vec![End::Complete; k];
+        let summary = explore(FanInStrategy::NaiveRecount, &ends, None).await;
         let run = summary
             .first_violation
             .as_ref()
