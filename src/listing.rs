@@ -1,4 +1,5 @@
-//! Listing executions: the newest first, filtered by workflow and status.
+//! Listing executions (the newest first, filtered by workflow and status), and deleting
+//! old terminal ones.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -110,5 +111,31 @@ impl Engine {
                 finished_at: r.finished_at,
             })
             .collect())
+    }
+
+    /// Deletes terminal executions (completed, failed, cancelled) that finished before
+    /// `cutoff`, with their groups and tasks, `batch` at a time (each batch a statement of
+    /// its own, so no long lock and no huge transaction); returns how many. Running
+    /// executions are never touched.
+    ///
+    /// ```no_run
+    /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
+    /// let week_ago = chrono::Utc::now() - chrono::Duration::days(7);
+    /// let deleted = engine.purge(week_ago, 1_000).await?;
+    /// # let _ = deleted; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database); what was deleted before stays deleted.
+    pub async fn purge(&self, cutoff: DateTime<Utc>, batch: usize) -> Result<u64> {
+        let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
+        let mut deleted = 0;
+        loop {
+            let n = executions::purge(self.pool(), cutoff, batch).await?;
+            deleted += n;
+            if n < batch as u64 {
+                return Ok(deleted);
+            }
+        }
     }
 }

@@ -140,3 +140,35 @@ pub async fn cancel(engine: Engine, args: CancelArgs) -> anyhow::Result<ExitCode
         Ok(ExitCode::from(1))
     }
 }
+
+#[derive(clap::Args)]
+pub struct PurgeArgs {
+    /// Delete terminal executions that finished longer ago than this: e.g. 30d, 12h, 45m.
+    #[arg(long, value_parser = parse_age)]
+    older_than: chrono::Duration,
+    /// Executions deleted per statement.
+    #[arg(long, default_value_t = 1_000)]
+    batch: usize,
+}
+
+/// `30d`, `12h`, `45m` or `90s`.
+fn parse_age(s: &str) -> Result<chrono::Duration, String> {
+    let (number, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: i64 = number
+        .parse()
+        .map_err(|_| format!("{s:?}: expected e.g. 30d, 12h, 45m"))?;
+    match unit {
+        "d" => Ok(chrono::Duration::days(n)),
+        "h" => Ok(chrono::Duration::hours(n)),
+        "m" => Ok(chrono::Duration::minutes(n)),
+        "s" => Ok(chrono::Duration::seconds(n)),
+        _ => Err(format!("{s:?}: the unit must be d, h, m or s")),
+    }
+}
+
+pub async fn purge(engine: Engine, args: PurgeArgs) -> anyhow::Result<ExitCode> {
+    let cutoff = chrono::Utc::now() - args.older_than;
+    let deleted = engine.purge(cutoff, args.batch).await?;
+    println!("deleted {deleted} terminal executions that finished before {cutoff}");
+    Ok(ExitCode::SUCCESS)
+}

@@ -45,6 +45,8 @@ enum Command {
     List(executions::ListArgs),
     /// Cancels an execution: its pending tasks never run, nothing more is dispatched.
     Cancel(executions::CancelArgs),
+    /// Deletes terminal executions older than a cutoff, in bounded batches.
+    Purge(executions::PurgeArgs),
     /// Finds what should never exist: groups whose counter disagrees with their members,
     /// groups with every member terminal that never fired, running executions with
     /// nothing left to run. Exits 1 when it finds something (and did not repair it).
@@ -92,6 +94,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Inspect(args) => executions::inspect(connect(&options, 2).await?, args).await,
         Command::List(args) => executions::list(connect(&options, 2).await?, args).await,
         Command::Cancel(args) => executions::cancel(connect(&options, 2).await?, args).await,
+        Command::Purge(args) => executions::purge(connect(&options, 2).await?, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
         Command::Stress(args) => {
             let url = cli.database_url.as_deref().unwrap_or_default();

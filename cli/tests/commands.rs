@@ -110,6 +110,32 @@ async fn list_inspect_cancel_and_doctor() {
     assert_eq!(value.as_array().map(Vec::len), Some(1));
     assert_eq!(value[0]["id"], second.to_string());
 
+    // Retention: only terminal executions older than the cutoff go.
+    let kept = confluo(&url, &["purge", "--older-than", "1h"]);
+    assert!(text(&kept).contains("deleted 0"), "{}", text(&kept));
+    sqlx::query(
+        "UPDATE confluo.execution SET finished_at = now() - interval '2 days' WHERE id = $1",
+    )
+    .bind(first)
+    .execute(engine.pool())
+    .await
+    .unwrap();
+    let purged = confluo(&url, &["purge", "--older-than", "1d", "--batch", "1"]);
+    assert!(text(&purged).contains("deleted 1 "), "{}", text(&purged));
+    let left = confluo(&url, &["list", "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&left.stdout).expect("JSON");
+    assert_eq!(
+        value.as_array().map(Vec::len),
+        Some(1),
+        "the running one stays"
+    );
+    let bad_age = confluo(&url, &["purge", "--older-than", "soon"]);
+    assert!(
+        text(&bad_age).contains("expected e.g. 30d"),
+        "{}",
+        text(&bad_age)
+    );
+
     let doctor = confluo(&url, &["doctor"]);
     assert!(doctor.status.success(), "{}", text(&doctor));
     assert!(text(&doctor).contains("healthy"));

@@ -315,3 +315,28 @@ where
     .fetch_all(executor)
     .await?)
 }
+
+/// Deletes up to `batch` terminal executions that finished before `cutoff` (their groups,
+/// stripes and tasks go with them, by cascade); returns how many.
+pub(crate) async fn purge<'e, E>(
+    executor: E,
+    cutoff: chrono::DateTime<chrono::Utc>,
+    batch: i64,
+) -> Result<u64>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(sqlx::query(
+        "DELETE FROM confluo.execution WHERE id IN (
+            SELECT id FROM confluo.execution
+             WHERE status IN ('completed', 'failed', 'cancelled') AND finished_at < $1
+             ORDER BY finished_at
+             LIMIT $2
+               FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(cutoff)
+    .bind(batch)
+    .execute(executor)
+    .await?
+    .rows_affected())
+}
