@@ -143,8 +143,8 @@ impl Engine {
     /// disagreeing counters from their members, fires unfired groups (dispatching their
     /// next stage exactly once: the group's fired marker still guards it), and moves
     /// stalled executions on. Each repair is a transaction of its own that locks what it
-    /// touches in the order completions do and re-checks its finding first, so repairing
-    /// while workers run, or twice, is safe.
+    /// touches in the order completions do (stripes, then the group, then the execution)
+    /// and re-checks its finding first, so repairing while workers run, or twice, is safe.
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); what was repaired before the error
@@ -186,13 +186,16 @@ impl Engine {
                 continue;
             }
             let mut tx = self.pool().begin().await?;
+            // Stripes, then the group (as completions and the counter repair lock them),
+            // then the re-check; if the group no longer needs firing, the re-count is
+            // rolled back with the transaction.
+            audit::recount(&mut tx, group).await?;
             if audit::lock_if_unfired(&mut tx, group).await? {
-                audit::recount(&mut tx, group).await?;
                 if dispatch::fire(self, &mut tx, execution, group, stage).await? {
                     repairs.groups_fired += 1;
                 }
+                tx.commit().await?;
             }
-            tx.commit().await?;
         }
         for stalled in &found.stalled_executions {
             let mut tx = self.pool().begin().await?;

@@ -143,8 +143,9 @@ pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Resul
     .flatten())
 }
 
-/// Locks a group and tells, from a snapshot taken after the lock, whether it still
-/// needs firing: never fired, every member terminal, its execution running.
+/// Locks a group (its stripes already locked by [`recount`], in the order completions
+/// take them) and tells, from a snapshot taken after the lock, whether it still needs
+/// firing: never fired, every member terminal, its execution running.
 pub(crate) async fn lock_if_unfired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
     sqlx::query("SELECT 1 FROM confluo.stage_group WHERE id = $1 FOR NO KEY UPDATE")
         .bind(group_id)
