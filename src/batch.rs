@@ -10,7 +10,7 @@ use sqlx::types::Json;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::fanin;
+use crate::fanin::{self, FanInStrategy};
 use crate::ids::{GroupId, LeaseToken, TaskId};
 use crate::queue::{ClaimedTask, Outcome, CONFLICT_RETRIES};
 use crate::store::tasks;
@@ -55,8 +55,13 @@ impl Engine {
         let outputs: Vec<Json<&Value>> = items.iter().map(|(_, o)| Json(o)).collect();
 
         let mut conn = self.pool().acquire().await?;
-        // Most batches hold no group's last arrival: one statement, no transaction.
-        if tasks::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await? {
+        // Most batches hold no group's last arrival: one statement, no transaction. Only
+        // counting strategies can tell without a transaction (the statement refuses the
+        // others too; skipping it spares re-counting batches a round trip).
+        let counting = items
+            .iter()
+            .all(|(t, _)| matches!(t.fan_in, FanInStrategy::Countdown | FanInStrategy::Striped));
+        if counting && tasks::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await? {
             return Ok(vec![Outcome::Completed { fired: false }; items.len()]);
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;

@@ -20,10 +20,5 @@ pub(super) async fn complete(
 ) -> Result<Option<Arrival>> {
     Ok(tasks::complete_counting_down(conn, id, token, output)
         .await?
-        .map(|row| Arrival {
-            group_id: row.group_id,
-            execution_id: row.execution_id,
-            stage_index: row.stage_index,
-            last: row.remaining == Some(0),
-        }))
+        .map(Arrival::from))
 }

@@ -17,7 +17,7 @@ use sqlx::PgConnection;
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::store::groups;
-use crate::store::tasks::{self, CompletedRow};
+use crate::store::tasks::{self, CompletedRow, CountdownRow};
 
 mod countdown;
 #[cfg(feature = "naive-fan-in")]
@@ -226,4 +226,16 @@ pub(crate) struct Arrival {
     pub stage_index: i32,
     /// Whether this arrival was the group's last: its transaction fires the group.
     pub last: bool,
+}
+
+impl From<CountdownRow> for Arrival {
+    /// An arrival counted down on a counter: the last if it left the group at zero.
+    fn from(row: CountdownRow) -> Self {
+        Arrival {
+            group_id: row.group_id,
+            execution_id: row.execution_id,
+            stage_index: row.stage_index,
+            last: row.remaining == Some(0),
+        }
+    }
 }
