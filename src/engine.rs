@@ -45,11 +45,15 @@ struct Inner {
     definitions: RwLock<HashMap<(String, i32), Arc<Workflow>>>,
 }
 
+/// A century: deadlines further out are capped, so that the timestamp stays in range.
+const MAX_DEADLINE_MS: i64 = 100 * 365 * 24 * 3600 * 1000;
+
 /// Options of [`Engine::start_with`].
 #[derive(Clone, Debug, Default)]
 pub struct StartOptions {
     version: Option<i32>,
     idempotency_key: Option<String>,
+    deadline: Option<Duration>,
 }
 
 impl StartOptions {
@@ -68,6 +72,23 @@ impl StartOptions {
     /// id and starts nothing, also when the two calls race.
     pub fn idempotency_key(mut self, key: impl Into<String>) -> Self {
         self.idempotency_key = Some(key.into());
+        self
+    }
+
+    /// Gives the execution this long to finish, counted from its start. Once the deadline
+    /// passes, a worker's housekeeping pass (every half lease, at most 5 s apart) moves it
+    /// to [`ExecutionStatus::TimedOut`](crate::ExecutionStatus::TimedOut) and cancels its
+    /// pending tasks in the same transaction; running handlers see their
+    /// [`cancellation`](crate::TaskContext::cancellation) at their next lease renewal, and
+    /// what they return dispatches nothing.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = confluo::StartOptions::new().deadline(Duration::from_secs(15 * 60));
+    /// # let _ = options;
+    /// ```
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
         self
     }
 }
@@ -237,14 +258,20 @@ impl Engine {
                 ),
             });
         }
+        let deadline_ms = options.deadline.map(|d| {
+            i64::try_from(d.as_millis()).map_or(MAX_DEADLINE_MS, |ms| ms.min(MAX_DEADLINE_MS))
+        });
         let (id, created) = executions::insert(
             conn,
-            ExecutionId::new(),
-            definition.name(),
-            definition.version(),
-            &input,
-            options.idempotency_key.as_deref(),
-            self.fan_in(),
+            executions::NewExecution {
+                id: ExecutionId::new(),
+                workflow_name: definition.name(),
+                workflow_version: definition.version(),
+                input: &input,
+                idempotency_key: options.idempotency_key.as_deref(),
+                fan_in: self.fan_in(),
+                deadline_ms,
+            },
         )
         .await?;
         if created {
@@ -313,6 +340,7 @@ impl Engine {
             created_at: row.created_at,
             updated_at: row.updated_at,
             finished_at: row.finished_at,
+            deadline: row.deadline_at,
         })
     }
 
@@ -327,7 +355,7 @@ impl Engine {
             .ok_or(Error::ExecutionNotFound(id))
     }
 
-    /// Waits until the execution is terminal (completed, failed or cancelled) and returns
+    /// Waits until the execution is terminal (completed, failed, cancelled or timed out) and returns
     /// its snapshot.
     ///
     /// # Errors

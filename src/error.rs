@@ -40,6 +40,25 @@ pub enum Error {
     #[error("task {0} not found")]
     TaskNotFound(crate::TaskId),
 
+    /// The task asked to be reprocessed is not dead-lettered.
+    #[error("task {task} is {status}, not dead-lettered: only dead letters can be reprocessed")]
+    NotDeadLettered {
+        /// The task.
+        task: crate::TaskId,
+        /// Its status (`pending`, `running`, `completed` or `cancelled`).
+        status: String,
+    },
+
+    /// The dead letter's execution is completed, cancelled or timed out: reprocessing it
+    /// would run work whose result nothing reads. (A failed execution is resumed.)
+    #[error("execution {execution} is {status}: its dead letters cannot be reprocessed")]
+    ExecutionNotResumable {
+        /// The execution.
+        execution: crate::ExecutionId,
+        /// Its status.
+        status: crate::ExecutionStatus,
+    },
+
     /// A worker was started without a handler for a stage (or branch) of a workflow it serves.
     #[error(
         "workflow {workflow} v{version} needs a handler named {handler:?}, and the worker has none"

@@ -23,6 +23,8 @@ pub enum ExecutionStatus {
     Failed,
     /// Cancelled by a caller.
     Cancelled,
+    /// Its deadline passed before it finished; what was pending was cancelled.
+    TimedOut,
 }
 
 impl ExecutionStatus {
@@ -36,6 +38,7 @@ impl ExecutionStatus {
             "completed" => ExecutionStatus::Completed,
             "failed" => ExecutionStatus::Failed,
             "cancelled" => ExecutionStatus::Cancelled,
+            "timed_out" => ExecutionStatus::TimedOut,
             _ => ExecutionStatus::Running,
         }
     }
@@ -47,13 +50,15 @@ impl ExecutionStatus {
             ExecutionStatus::Completed => "completed",
             ExecutionStatus::Failed => "failed",
             ExecutionStatus::Cancelled => "cancelled",
+            ExecutionStatus::TimedOut => "timed_out",
         }
     }
 }
 
-/// A status name that is not one of `running`, `completed`, `failed`, `cancelled`.
+/// A status name that is not one of `running`, `completed`, `failed`, `cancelled`,
+/// `timed_out`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown execution status {0:?} (running, completed, failed or cancelled)")]
+#[error("unknown execution status {0:?} (running, completed, failed, cancelled or timed_out)")]
 pub struct UnknownStatus(pub String);
 
 impl std::str::FromStr for ExecutionStatus {
@@ -65,6 +70,7 @@ impl std::str::FromStr for ExecutionStatus {
             "completed" => Ok(ExecutionStatus::Completed),
             "failed" => Ok(ExecutionStatus::Failed),
             "cancelled" | "canceled" => Ok(ExecutionStatus::Cancelled),
+            "timed_out" | "timed-out" => Ok(ExecutionStatus::TimedOut),
             other => Err(UnknownStatus(other.to_owned())),
         }
     }
@@ -108,6 +114,8 @@ pub struct Execution {
     pub updated_at: DateTime<Utc>,
     /// When it reached a terminal status.
     pub finished_at: Option<DateTime<Utc>>,
+    /// When it times out, if it was started with a deadline.
+    pub deadline: Option<DateTime<Utc>>,
 }
 
 /// Progress of one stage's group.

@@ -54,6 +54,8 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod batch;
+mod dead_letters;
+mod deadline;
 mod definition;
 mod dispatch;
 mod doctor;
@@ -68,6 +70,7 @@ mod queue;
 mod store;
 mod worker;
 
+pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
 pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
 pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs};
 pub use engine::{Engine, EngineBuilder, StartOptions};

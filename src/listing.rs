@@ -113,7 +113,7 @@ impl Engine {
             .collect())
     }
 
-    /// Deletes terminal executions (completed, failed, cancelled) that finished before
+    /// Deletes terminal executions (completed, failed, cancelled, timed out) that finished before
     /// `cutoff`, with their groups and tasks, `batch` at a time (each batch a statement of
     /// its own, so no long lock and no huge transaction); returns how many. Running
     /// executions are never touched.

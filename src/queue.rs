@@ -402,6 +402,9 @@ impl Engine {
     pub(crate) async fn cancel_claimed(&self, task: &ClaimedTask) -> Result<bool> {
         let mut tx = self.pool().begin().await?;
         let Some(row) = tasks::cancel_claimed(&mut tx, task.id, task.lease).await? else {
+            drop(tx);
+            // The execution was resumed meanwhile (or the lease is lost): give it back.
+            self.release(task).await?;
             return Ok(false);
         };
         let member = Member {

@@ -254,6 +254,9 @@ async fn run(state: Arc<State>) {
             if let Err(error) = state.engine.reclaim_expired(100).await {
                 tracing::warn!(%error, "reclaiming expired leases failed");
             }
+            if let Err(error) = state.engine.time_out_expired(100).await {
+                tracing::warn!(%error, "timing out executions past their deadline failed");
+            }
             next_reclaim = Instant::now() + (state.settings.lease / 2).min(Duration::from_secs(5));
         }
         let free = slots.available_permits().min(state.settings.batch_size);

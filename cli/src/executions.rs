@@ -18,7 +18,7 @@ pub struct ListArgs {
     /// Only executions of this workflow.
     #[arg(long)]
     workflow: Option<String>,
-    /// Only executions in this status: running, completed, failed or cancelled.
+    /// Only executions in this status: running, completed, failed, cancelled or timed_out.
     #[arg(long)]
     status: Option<ExecutionStatus>,
     /// At most this many, newest first.

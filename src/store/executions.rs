@@ -8,6 +8,7 @@ use sqlx::{FromRow, PgConnection};
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
+use crate::store::groups::{self, Count};
 
 /// One execution row as stored.
 #[derive(Debug, Clone, FromRow)]
@@ -24,6 +25,21 @@ pub(crate) struct ExecutionRow {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
+    pub deadline_at: Option<DateTime<Utc>>,
+}
+
+/// An execution to insert.
+#[derive(Debug)]
+pub(crate) struct NewExecution<'a> {
+    pub id: ExecutionId,
+    pub workflow_name: &'a str,
+    pub workflow_version: i32,
+    pub input: &'a Value,
+    pub idempotency_key: Option<&'a str>,
+    /// The default strategy of its groups.
+    pub fan_in: FanInStrategy,
+    /// Its deadline, this many milliseconds from now.
+    pub deadline_ms: Option<i64>,
 }
 
 /// Inserts a running execution. With an idempotency key already taken, inserts nothing
@@ -31,17 +47,21 @@ pub(crate) struct ExecutionRow {
 /// key waits for the other transaction and then sees its row.
 pub(crate) async fn insert(
     conn: &mut PgConnection,
-    id: ExecutionId,
-    workflow_name: &str,
-    workflow_version: i32,
-    input: &Value,
-    idempotency_key: Option<&str>,
-    fan_in: FanInStrategy,
+    new: NewExecution<'_>,
 ) -> Result<(ExecutionId, bool)> {
+    let NewExecution {
+        id,
+        workflow_name,
+        workflow_version,
+        input,
+        idempotency_key,
+        fan_in,
+        deadline_ms,
+    } = new;
     let inserted: Option<ExecutionId> = sqlx::query_scalar(
         "INSERT INTO confluo.execution
-                (id, workflow_name, workflow_version, input, idempotency_key, fan_in)
-         VALUES ($1, $2, $3, $4, $5, $6)
+                (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at)
+         VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 millisecond')
          ON CONFLICT (workflow_name, idempotency_key) DO NOTHING
          RETURNING id",
     )
@@ -51,6 +71,7 @@ pub(crate) async fn insert(
     .bind(Json(input))
     .bind(idempotency_key)
     .bind(fan_in.as_str())
+    .bind(deadline_ms)
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(id) = inserted {
@@ -134,8 +155,9 @@ pub(crate) async fn complete(
     Ok(done == 1)
 }
 
-/// Moves a running execution to `failed` or `cancelled` and cancels its pending tasks,
-/// decrementing their groups' countdowns by as many, in the caller's transaction.
+/// Moves a running execution to `failed`, `cancelled` or `timed_out` and cancels its
+/// pending tasks, counting their groups down by as many (stripes, then groups, in order),
+/// in the caller's transaction.
 /// Returns false if the execution was not running.
 pub(crate) async fn stop(
     conn: &mut PgConnection,
@@ -157,38 +179,47 @@ pub(crate) async fn stop(
     if stopped == 0 {
         return Ok(false);
     }
-    sqlx::query(
+    let sql = format!(
         "WITH cancelled AS (
             UPDATE confluo.task SET status = 'cancelled', finished_at = now()
              WHERE execution_id = $1 AND status = 'pending'
          RETURNING group_id, item_index
-         ), per_group AS (
-            SELECT c.group_id, g.fan_in, g.stripes, g.stripe_run, count(*)::int AS n
-              FROM cancelled c JOIN confluo.stage_group g ON g.id = c.group_id
-             GROUP BY c.group_id, g.fan_in, g.stripes, g.stripe_run
-         ), counted AS (
-            UPDATE confluo.stage_group g SET remaining = g.remaining - p.n
-              FROM per_group p WHERE g.id = p.group_id AND p.fan_in = 'countdown'
-         ), per_stripe AS (
-            SELECT c.group_id, confluo.stripe_of(c.item_index, p.stripe_run, p.stripes) AS stripe,
-                   count(*)::int AS n
-              FROM cancelled c JOIN per_group p ON p.group_id = c.group_id
-             WHERE p.fan_in = 'striped'
-             GROUP BY 1, 2
-         ), striped AS (
-            UPDATE confluo.group_stripe s SET remaining = s.remaining - p.n
-              FROM per_stripe p WHERE s.group_id = p.group_id AND s.stripe = p.stripe
-         RETURNING s.group_id, s.remaining
-         ), drained AS (
-            SELECT group_id, count(*)::int AS n FROM striped WHERE remaining = 0 GROUP BY group_id
-         )
-         UPDATE confluo.stage_group g SET remaining = g.remaining - d.n
-           FROM drained d WHERE g.id = d.group_id",
+         ) {}
+         SELECT count(*) FROM c_groups",
+        groups::counters_sql("cancelled", Count::Down)
+    );
+    sqlx::query(&sql).bind(id).execute(conn).await?;
+    Ok(true)
+}
+
+/// Moves a failed execution back to `running` (a dead letter of it is being reprocessed),
+/// in the caller's transaction, which holds the execution's lock. Returns false if it was
+/// not failed.
+pub(crate) async fn resume(conn: &mut PgConnection, id: ExecutionId) -> Result<bool> {
+    let resumed = sqlx::query(
+        "UPDATE confluo.execution
+            SET status = 'running', error = NULL, finished_at = NULL, updated_at = now()
+          WHERE id = $1 AND status = 'failed'",
     )
     .bind(id)
     .execute(conn)
-    .await?;
-    Ok(true)
+    .await?
+    .rows_affected();
+    Ok(resumed == 1)
+}
+
+/// Locks one running execution whose deadline has passed, skipping those another
+/// transaction holds (a sweeping worker, a completion firing a group).
+pub(crate) async fn lock_one_past_deadline(conn: &mut PgConnection) -> Result<Option<ExecutionId>> {
+    Ok(sqlx::query_scalar(
+        "SELECT id FROM confluo.execution
+          WHERE status = 'running' AND deadline_at < now()
+          ORDER BY deadline_at
+          LIMIT 1
+            FOR NO KEY UPDATE SKIP LOCKED",
+    )
+    .fetch_optional(conn)
+    .await?)
 }
 
 /// Reads one execution.
@@ -329,7 +360,7 @@ where
     Ok(sqlx::query(
         "DELETE FROM confluo.execution WHERE id IN (
             SELECT id FROM confluo.execution
-             WHERE status IN ('completed', 'failed', 'cancelled') AND finished_at < $1
+             WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1
              ORDER BY finished_at
              LIMIT $2
                FOR UPDATE SKIP LOCKED)",

@@ -285,3 +285,60 @@ where
             .await?,
     )
 }
+
+/// Which way [`counters_sql`] moves the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Count {
+    /// Members became terminal (cancelled): count them down.
+    Down,
+    /// Terminal members went back to the queue (reprocessed, resumed): count them up.
+    Up,
+}
+
+/// The CTEs (to follow a `WITH source AS (...)` that yields `group_id, item_index` of the
+/// members that changed) moving their groups' counters by one per member: countdown groups
+/// directly; striped groups on their stripes, and on the group row by the number of
+/// stripes that drained (down) or came back from zero (up). Rows are locked stripes first,
+/// then groups, each in one order, as every other statement that counts several groups
+/// takes them, so that no two of them can deadlock. Groups of re-counting strategies keep
+/// no counter and are not touched. The last CTE, `c_groups`, returns `id, remaining`.
+pub(crate) fn counters_sql(source: &str, count: Count) -> String {
+    let (op, crossed) = match count {
+        Count::Down => ("-", "s.remaining = 0"),
+        Count::Up => ("+", "s.remaining = p.n"),
+    };
+    format!(
+        ", c_members AS (
+            SELECT m.group_id, g.fan_in,
+                   confluo.stripe_of(m.item_index, g.stripe_run, g.stripes) AS stripe
+              FROM {source} m JOIN confluo.stage_group g ON g.id = m.group_id
+         ), c_per_stripe AS (
+            SELECT group_id, stripe, count(*)::int AS n
+              FROM c_members WHERE fan_in = 'striped' GROUP BY 1, 2
+         ), c_stripes_locked AS (
+            SELECT s.group_id FROM confluo.group_stripe s
+              JOIN c_per_stripe p ON s.group_id = p.group_id AND s.stripe = p.stripe
+             ORDER BY s.group_id, s.stripe
+               FOR NO KEY UPDATE OF s
+         ), c_stripes AS (
+            UPDATE confluo.group_stripe s SET remaining = s.remaining {op} p.n
+              FROM c_per_stripe p, (SELECT count(*) FROM c_stripes_locked) l
+             WHERE s.group_id = p.group_id AND s.stripe = p.stripe
+         RETURNING s.group_id, {crossed} AS crossed
+         ), c_per_group AS (
+            SELECT group_id, count(*)::int AS n
+              FROM c_members WHERE fan_in = 'countdown' GROUP BY 1
+             UNION ALL
+            SELECT group_id, count(*)::int FROM c_stripes WHERE crossed GROUP BY 1
+         ), c_groups_locked AS (
+            SELECT g.id FROM confluo.stage_group g JOIN c_per_group p ON p.group_id = g.id
+             ORDER BY g.id
+               FOR NO KEY UPDATE OF g
+         ), c_groups AS (
+            UPDATE confluo.stage_group g SET remaining = g.remaining {op} p.n
+              FROM c_per_group p, (SELECT count(*) FROM c_groups_locked) l
+             WHERE g.id = p.group_id
+         RETURNING g.id, g.remaining
+         )"
+    )
+}

@@ -308,7 +308,14 @@ pub(crate) async fn fail_counting_down(
     only_if_expired: bool,
 ) -> Result<Option<FailedRow>> {
     Ok(sqlx::query_as(
-        "WITH failed AS (
+        "WITH stopped AS (
+            -- Locked only when the execution has stopped, so that a resume (which holds
+            -- the execution's lock) cannot slip between this read and the write.
+            SELECT x.id FROM confluo.execution x
+             WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
+               AND x.status <> 'running'
+               FOR SHARE
+         ), failed AS (
             UPDATE confluo.task t
                SET status = v.next_status,
                    run_at = CASE WHEN v.next_status = 'pending'
@@ -324,11 +331,10 @@ pub(crate) async fn fail_counting_down(
                    -- replayed: clearing its token fences out whatever it sends later.
                    lease_token = CASE WHEN $5 THEN NULL ELSE t.lease_token END
               FROM (SELECT CASE
-                        WHEN x.status <> 'running' THEN 'cancelled'
+                        WHEN EXISTS (SELECT 1 FROM stopped) THEN 'cancelled'
                         WHEN $4 OR y.attempt >= y.max_attempts THEN 'dead'
                         ELSE 'pending' END AS next_status
-                      FROM confluo.task y JOIN confluo.execution x ON x.id = y.execution_id
-                     WHERE y.id = $1) v
+                      FROM confluo.task y WHERE y.id = $1) v
              WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
                AND (NOT $5 OR t.lease_expires_at < now())
          RETURNING t.group_id, t.stage_index, t.item_index, t.status, t.run_at, t.attempt
@@ -353,17 +359,26 @@ pub(crate) async fn fail_counting_down(
     .await?)
 }
 
-/// Cancels a claimed attempt whose execution has stopped. Its group is counted down by
-/// the caller, as its strategy says.
+/// Cancels a claimed attempt whose execution has stopped (`None` if the attempt lost its
+/// lease, or the execution is running again). Its group is counted down by the caller,
+/// as its strategy says.
 pub(crate) async fn cancel_claimed(
     conn: &mut PgConnection,
     id: TaskId,
     token: LeaseToken,
 ) -> Result<Option<MemberRow>> {
     Ok(sqlx::query_as(
-        "UPDATE confluo.task
+        "WITH stopped AS (
+            -- Under a share lock: a resume that commits first makes this cancel nothing.
+            SELECT x.id FROM confluo.execution x
+             WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
+               AND x.status <> 'running'
+               FOR SHARE
+         )
+         UPDATE confluo.task
             SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL
           WHERE id = $1 AND lease_token = $2 AND status = 'running'
+            AND EXISTS (SELECT 1 FROM stopped)
       RETURNING group_id, execution_id, stage_index, item_index",
     )
     .bind(id)

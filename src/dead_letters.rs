@@ -1,0 +1,288 @@
+//! Dead letters: listing them, reading one, and reprocessing one.
+//!
+//! Reprocessing puts a dead-lettered task back in the queue with a fresh attempt budget
+//! and counts its group back up, in one transaction that holds the execution's lock. If
+//! the execution had failed (a step, or a member of a stage that fails on member failure,
+//! was dead-lettered), it becomes `running` again, and what the failure stopped (the dead
+//! and cancelled members of its unfired group) is requeued with it. If the task's group
+//! had already fired, the next stage was dispatched with the member listed as failed: the
+//! task runs again and its result is recorded, but the group's fired marker keeps the next
+//! stage from being dispatched a second time. (The next stage reads its input by
+//! reference when claimed: claimed after the new result is recorded, it sees it.)
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::execution::{AttemptError, ExecutionStatus};
+use crate::ids::{ExecutionId, TaskId};
+use crate::store::dead_letters::{self, DeadLetterRow};
+use crate::store::executions;
+
+/// Which dead letters [`Engine::dead_letters`] returns.
+///
+/// ```
+/// use confluo::DeadLetterFilter;
+/// let filter = DeadLetterFilter::new().workflow("orders").limit(20);
+/// # let _ = filter;
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DeadLetterFilter {
+    /// Only tasks of this workflow.
+    pub workflow: Option<String>,
+    /// Only tasks of this execution.
+    pub execution: Option<ExecutionId>,
+    /// At most this many (default 50).
+    pub limit: usize,
+}
+
+impl Default for DeadLetterFilter {
+    fn default() -> Self {
+        DeadLetterFilter {
+            workflow: None,
+            execution: None,
+            limit: 50,
+        }
+    }
+}
+
+impl DeadLetterFilter {
+    /// Every dead letter, 50 at most.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only dead letters of `workflow`.
+    pub fn workflow(mut self, workflow: impl Into<String>) -> Self {
+        self.workflow = Some(workflow.into());
+        self
+    }
+
+    /// Only dead letters of `execution`.
+    pub fn execution(mut self, execution: ExecutionId) -> Self {
+        self.execution = Some(execution);
+        self
+    }
+
+    /// At most `limit` dead letters.
+    pub fn limit(mut self, limit: usize) -> Self {
+        self.limit = limit;
+        self
+    }
+}
+
+/// A dead-lettered task, as listed by [`Engine::dead_letters`].
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct DeadLetterSummary {
+    /// The task.
+    pub task_id: TaskId,
+    /// Its execution.
+    pub execution_id: ExecutionId,
+    /// The workflow.
+    pub workflow: String,
+    /// The workflow version the execution is pinned to.
+    pub version: i32,
+    /// Where the execution stands (`failed` when this dead letter failed it).
+    pub execution_status: ExecutionStatus,
+    /// The stage's position.
+    pub stage_index: usize,
+    /// The stage's name.
+    pub stage: String,
+    /// The handler (stage or branch name).
+    pub handler: String,
+    /// Position in the group.
+    pub item_index: u32,
+    /// Attempts made since it was last queued.
+    pub attempts: u32,
+    /// How many times it was reprocessed before.
+    pub reprocessed: u32,
+    /// The last attempt's error.
+    pub last_error: Option<String>,
+    /// When it was dead-lettered.
+    pub dead_at: Option<DateTime<Utc>>,
+    /// Whether its group has fired (the next stage ran with this member listed as failed).
+    pub group_fired: bool,
+}
+
+impl From<DeadLetterRow> for DeadLetterSummary {
+    fn from(r: DeadLetterRow) -> Self {
+        DeadLetterSummary {
+            task_id: r.id,
+            execution_id: r.execution_id,
+            workflow: r.workflow_name,
+            version: r.workflow_version,
+            execution_status: ExecutionStatus::parse(&r.execution_status),
+            stage_index: r.stage_index as usize,
+            stage: r.stage_name,
+            handler: r.handler,
+            item_index: r.item_index as u32,
+            attempts: r.attempt as u32,
+            reprocessed: r.reprocessed as u32,
+            last_error: r.last_error,
+            dead_at: r.finished_at,
+            group_fired: r.group_fired,
+        }
+    }
+}
+
+/// One dead letter in full, as returned by [`Engine::dead_letter`].
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct DeadLetterDetail {
+    /// What the listing shows.
+    #[serde(flatten)]
+    pub summary: DeadLetterSummary,
+    /// The member's own input (a map element); `None` when it reads the stage input by
+    /// reference (a step or a parallel branch).
+    pub input: Option<Value>,
+    /// Every attempt's error, oldest first (earlier rounds included if reprocessed).
+    pub errors: Vec<AttemptError>,
+}
+
+/// What [`Engine::reprocess`] did.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct Reprocessed {
+    /// The reprocessed task.
+    pub task_id: TaskId,
+    /// Its execution.
+    pub execution_id: ExecutionId,
+    /// Whether the execution had failed and is running again.
+    pub resumed: bool,
+    /// Every task put back in the queue: the reprocessed one, and with a resume the other
+    /// dead and cancelled members of the stage that failed.
+    pub requeued: Vec<TaskId>,
+    /// Whether the task's group had already fired: its new result is recorded, but the
+    /// next stage, which already ran, is not dispatched again.
+    pub group_fired: bool,
+}
+
+impl Engine {
+    /// Dead-lettered tasks matching `filter`, the most recent first.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetterSummary>> {
+        let mut conn = self.pool().acquire().await?;
+        let rows = dead_letters::list(
+            &mut conn,
+            filter.workflow.as_deref(),
+            filter.execution,
+            i64::try_from(filter.limit).unwrap_or(i64::MAX),
+        )
+        .await?;
+        Ok(rows.into_iter().map(Into::into).collect())
+    }
+
+    /// One dead letter with its input and every attempt's error.
+    ///
+    /// # Errors
+    /// [`Error::TaskNotFound`]; [`Error::NotDeadLettered`] if the task is not dead;
+    /// [`Error::Database`].
+    pub async fn dead_letter(&self, task: TaskId) -> Result<DeadLetterDetail> {
+        let mut conn = self.pool().acquire().await?;
+        let row = dead_letters::get(&mut conn, task)
+            .await?
+            .ok_or(Error::TaskNotFound(task))?;
+        if row.status != "dead" {
+            return Err(Error::NotDeadLettered {
+                task,
+                status: row.status,
+            });
+        }
+        Ok(DeadLetterDetail {
+            summary: row.summary.into(),
+            input: row.input.map(|j| j.0),
+            errors: serde_json::from_value(row.errors.0)?,
+        })
+    }
+
+    /// Puts a dead-lettered task back in the queue with a fresh attempt budget, resuming
+    /// its execution if the execution had failed; see the [module docs](crate) on
+    /// reprocessing. Safe against every concurrent completion: if the group fires before
+    /// the reprocess commits, the task's second result does not dispatch the next stage
+    /// again; if the reprocess commits first, the group waits for it.
+    ///
+    /// ```no_run
+    /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
+    /// for dead in engine.dead_letters(&confluo::DeadLetterFilter::new()).await? {
+    ///     let done = engine.reprocess(dead.task_id).await?;
+    ///     println!("requeued {} task(s), resumed: {}", done.requeued.len(), done.resumed);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::TaskNotFound`]; [`Error::NotDeadLettered`] (including when a concurrent
+    /// reprocess took it first); [`Error::ExecutionNotResumable`] when the execution is
+    /// completed, cancelled or timed out; [`Error::Database`].
+    pub async fn reprocess(&self, task: TaskId) -> Result<Reprocessed> {
+        let mut conflicts = 0;
+        loop {
+            match self.reprocess_once(task).await {
+                Err(e) if e.is_retryable_conflict() && conflicts < 5 => conflicts += 1,
+                other => return other,
+            }
+        }
+    }
+
+    async fn reprocess_once(&self, task: TaskId) -> Result<Reprocessed> {
+        let mut tx = self.pool().begin().await?;
+        let row = dead_letters::get(&mut tx, task)
+            .await?
+            .ok_or(Error::TaskNotFound(task))?;
+        let not_dead = |status: String| Error::NotDeadLettered { task, status };
+        if row.status != "dead" {
+            return Err(not_dead(row.status));
+        }
+        let execution = row.summary.execution_id;
+        let mut status = ExecutionStatus::parse(&row.summary.execution_status);
+        // With a counter, a running execution needs no lock: the requeue locks the task,
+        // its stripe and its group in the order every completion does, and a stop that
+        // races it leaves at worst a pending task that its claimer cancels. Re-counting
+        // strategies decide under the execution's lock, so the requeue takes it too;
+        // resuming a failed execution takes it first, as a stop does, and looks again.
+        let counted = matches!(row.fan_in.as_str(), "countdown" | "striped");
+        if status == ExecutionStatus::Failed || !counted {
+            let locked = dead_letters::lock_execution(&mut tx, execution)
+                .await?
+                .ok_or(Error::TaskNotFound(task))?;
+            status = ExecutionStatus::parse(&locked);
+        }
+        let resumed = match status {
+            ExecutionStatus::Running => false,
+            ExecutionStatus::Failed => executions::resume(&mut tx, execution).await?,
+            _ => return Err(Error::ExecutionNotResumable { execution, status }),
+        };
+        let requeued = dead_letters::requeue(&mut tx, task, execution, resumed).await?;
+        let Some(own) = requeued.iter().find(|r| r.id == task) else {
+            // A concurrent reprocess took it first.
+            drop(tx);
+            let status = dead_letters::get(self.pool().acquire().await?.as_mut(), task)
+                .await?
+                .map_or_else(|| "deleted".to_owned(), |r| r.status);
+            return Err(not_dead(status));
+        };
+        let group_fired = dead_letters::group_fired(&mut tx, own.group_id).await?;
+        tx.commit().await?;
+        tracing::info!(
+            task_id = %task,
+            execution_id = %execution,
+            resumed,
+            requeued = requeued.len(),
+            group_fired,
+            "dead letter reprocessed"
+        );
+        Ok(Reprocessed {
+            task_id: task,
+            execution_id: execution,
+            resumed,
+            requeued: requeued.into_iter().map(|r| r.id).collect(),
+            group_fired,
+        })
+    }
+}

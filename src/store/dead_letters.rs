@@ -1,0 +1,164 @@
+//! Dead-lettered tasks: listing them, and putting them back in the queue.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{FromRow, PgConnection};
+
+use crate::error::Result;
+use crate::ids::{ExecutionId, GroupId, TaskId};
+use crate::store::groups::{self, Count};
+
+/// One dead-lettered task as listed.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct DeadLetterRow {
+    pub id: TaskId,
+    pub execution_id: ExecutionId,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    pub execution_status: String,
+    pub stage_index: i32,
+    pub stage_name: String,
+    pub handler: String,
+    pub item_index: i32,
+    pub attempt: i32,
+    pub reprocessed: i32,
+    pub last_error: Option<String>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub group_fired: bool,
+}
+
+const COLUMNS: &str = "t.id, t.execution_id, t.workflow_name, t.workflow_version,
+       e.status AS execution_status, t.stage_index, g.stage_name, t.handler, t.item_index,
+       t.attempt, t.reprocessed, t.errors -> -1 ->> 'error' AS last_error, t.finished_at,
+       g.fired_at IS NOT NULL AS group_fired";
+
+/// Dead letters, the newest first, optionally of one workflow or one execution.
+pub(crate) async fn list(
+    conn: &mut PgConnection,
+    workflow: Option<&str>,
+    execution: Option<ExecutionId>,
+    limit: i64,
+) -> Result<Vec<DeadLetterRow>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {COLUMNS}
+           FROM confluo.task t
+           JOIN confluo.execution e ON e.id = t.execution_id
+           JOIN confluo.stage_group g ON g.id = t.group_id
+          WHERE t.status = 'dead'
+            AND ($1::text IS NULL OR t.workflow_name = $1)
+            AND ($2::uuid IS NULL OR t.execution_id = $2)
+          ORDER BY t.finished_at DESC, t.id
+          LIMIT $3"
+    ))
+    .bind(workflow)
+    .bind(execution)
+    .bind(limit)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// One dead letter with its input and every attempt's error.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct DeadLetterDetailRow {
+    #[sqlx(flatten)]
+    pub summary: DeadLetterRow,
+    pub status: String,
+    pub fan_in: String,
+    pub input: Option<Json<Value>>,
+    pub errors: Json<Value>,
+}
+
+/// Any task, with the fields a dead letter shows (`status` tells whether it is dead).
+pub(crate) async fn get(
+    conn: &mut PgConnection,
+    id: TaskId,
+) -> Result<Option<DeadLetterDetailRow>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {COLUMNS}, t.status, g.fan_in, t.input, t.errors
+           FROM confluo.task t
+           JOIN confluo.execution e ON e.id = t.execution_id
+           JOIN confluo.stage_group g ON g.id = t.group_id
+          WHERE t.id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// Locks an execution as a stage transition does and returns its status.
+pub(crate) async fn lock_execution(
+    conn: &mut PgConnection,
+    id: ExecutionId,
+) -> Result<Option<String>> {
+    Ok(
+        sqlx::query_scalar("SELECT status FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(id)
+            .fetch_optional(conn)
+            .await?,
+    )
+}
+
+/// Whether a group has fired.
+pub(crate) async fn group_fired(conn: &mut PgConnection, id: GroupId) -> Result<bool> {
+    Ok(
+        sqlx::query_scalar("SELECT fired_at IS NOT NULL FROM confluo.stage_group WHERE id = $1")
+            .bind(id)
+            .fetch_one(conn)
+            .await?,
+    )
+}
+
+/// What a requeue did.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct RequeuedRow {
+    pub id: TaskId,
+    pub group_id: GroupId,
+}
+
+/// Puts the dead task `id` back in the queue with a fresh attempt budget and, with
+/// `resume`, every dead or cancelled task of the execution's unfired groups too (what
+/// stopped with the failure; cancelled ones keep their attempt count); counts their
+/// groups back up (stripes, then groups, in order), in one statement. Tasks that are no
+/// longer dead or cancelled (a concurrent reprocess) match nothing.
+pub(crate) async fn requeue(
+    conn: &mut PgConnection,
+    id: TaskId,
+    execution_id: ExecutionId,
+    resume: bool,
+) -> Result<Vec<RequeuedRow>> {
+    let sql = format!(
+        "WITH picked AS (
+            SELECT t.id, t.status FROM confluo.task t
+             WHERE t.execution_id = $2
+               AND ((t.id = $1 AND t.status = 'dead')
+                 OR ($3 AND t.status IN ('dead', 'cancelled')
+                     AND t.group_id IN (SELECT g.id FROM confluo.stage_group g
+                                         WHERE g.execution_id = $2 AND g.fired_at IS NULL)))
+             ORDER BY t.id
+               FOR NO KEY UPDATE OF t
+         ), requeued AS (
+            UPDATE confluo.task t
+               SET status = 'pending',
+                   attempt = CASE WHEN p.status = 'dead' THEN 0 ELSE t.attempt END,
+                   reprocessed = t.reprocessed + (p.status = 'dead')::int,
+                   run_at = now(), lease_token = NULL, lease_expires_at = NULL,
+                   worker_id = NULL, started_at = NULL, finished_at = NULL, output = NULL
+              FROM picked p
+             WHERE t.id = p.id AND t.status = p.status
+         RETURNING t.id, t.group_id, t.item_index
+         ) {},
+         woken AS (
+            SELECT pg_notify('{}', '') FROM (SELECT 1 FROM requeued LIMIT 1) r
+         )
+         SELECT r.id, r.group_id FROM requeued r, (SELECT count(*) FROM woken) w",
+        groups::counters_sql("requeued", Count::Up),
+        super::TASKS_CHANNEL,
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(id)
+        .bind(execution_id)
+        .bind(resume)
+        .fetch_all(conn)
+        .await?)
+}
