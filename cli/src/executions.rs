@@ -50,6 +50,9 @@ fn timeline(e: &Execution) -> String {
         "execution {}\n  workflow {} v{}, {}, started {}",
         e.id, e.workflow, e.version, e.status, e.created_at
     );
+    if let Some(deadline) = e.deadline {
+        out += &format!(", deadline {deadline}");
+    }
     if let Some(finished) = e.finished_at {
         out += &format!(
             ", finished {finished} ({:.1} s)",

@@ -5,10 +5,12 @@
 //! confluo list --status failed
 //! confluo inspect <execution>
 //! confluo cancel <execution>
+//! confluo dead-letters list|show <task>|reprocess <task>...
 //! confluo doctor [--repair] [--json]
 //! confluo stress --executions 200 --width 1000 --processes 3 --all-faults
 //! ```
 
+mod dead_letters;
 mod doctor;
 mod executions;
 mod stress;
@@ -45,6 +47,9 @@ enum Command {
     List(executions::ListArgs),
     /// Cancels an execution: its pending tasks never run, nothing more is dispatched.
     Cancel(executions::CancelArgs),
+    /// Dead-lettered tasks: list them, show one, reprocess them.
+    #[command(name = "dead-letters")]
+    DeadLetters(dead_letters::Args),
     /// Deletes terminal executions older than a cutoff, in bounded batches.
     Purge(executions::PurgeArgs),
     /// Finds what should never exist: groups whose counter disagrees with their members,
@@ -94,6 +99,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Inspect(args) => executions::inspect(connect(&options, 2).await?, args).await,
         Command::List(args) => executions::list(connect(&options, 2).await?, args).await,
         Command::Cancel(args) => executions::cancel(connect(&options, 2).await?, args).await,
+        Command::DeadLetters(args) => dead_letters::run(connect(&options, 2).await?, args).await,
         Command::Purge(args) => executions::purge(connect(&options, 2).await?, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
         Command::Stress(args) => {

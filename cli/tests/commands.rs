@@ -39,9 +39,8 @@ fn text(o: &Output) -> String {
     )
 }
 
-#[tokio::test]
-async fn list_inspect_cancel_and_doctor() {
-    let database = "confluo_cli_commands_test";
+/// A fresh empty database on the test server; returns an admin connection and its URL.
+async fn fresh_database(database: &str) -> (sqlx::PgConnection, String) {
     let mut admin = server_url()
         .parse::<sqlx::postgres::PgConnectOptions>()
         .unwrap()
@@ -56,7 +55,13 @@ async fn list_inspect_cancel_and_doctor() {
         .execute(&mut admin)
         .await
         .unwrap();
-    let url = with_database(&server_url(), database);
+    (admin, with_database(&server_url(), database))
+}
+
+#[tokio::test]
+async fn list_inspect_cancel_and_doctor() {
+    let database = "confluo_cli_commands_test";
+    let (mut admin, url) = fresh_database(database).await;
 
     let migrated = confluo(&url, &["migrate"]);
     assert!(migrated.status.success(), "{}", text(&migrated));
@@ -160,6 +165,105 @@ async fn list_inspect_cancel_and_doctor() {
         "{}",
         text(&unreachable)
     );
+
+    engine.pool().close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn dead_letters_list_show_and_reprocess() {
+    use confluo::RetryPolicy;
+    use std::time::Duration;
+    let database = "confluo_cli_dead_letters_test";
+    let (mut admin, url) = fresh_database(database).await;
+    let engine = Engine::connect(&url).await.unwrap();
+    engine.migrate().await.unwrap();
+    engine
+        .register(
+            &Workflow::new("charge", 1)
+                .stage(Stage::step("charge").retry(RetryPolicy::none()))
+                .step("receipt"),
+        )
+        .await
+        .unwrap();
+    let id = engine
+        .start("charge", &serde_json::json!({"cents": 500}))
+        .await
+        .unwrap();
+    let task = engine
+        .claim("test", 1, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .remove(0);
+    engine.fail(&task, "card declined", true).await.unwrap();
+
+    let listed = confluo(&url, &["dead-letters", "list"]);
+    assert!(listed.status.success(), "{}", text(&listed));
+    let out = text(&listed);
+    assert!(
+        out.contains(&task.id.to_string())
+            && out.contains("card declined")
+            && out.contains("failed"),
+        "{out}"
+    );
+    let shown = confluo(
+        &url,
+        &["dead-letters", "show", &task.id.to_string(), "--json"],
+    );
+    let value: serde_json::Value = serde_json::from_slice(&shown.stdout).expect("JSON");
+    assert_eq!(value["errors"][0]["error"], "card declined");
+    assert_eq!(value["execution_id"], id.to_string());
+
+    let reprocessed = confluo(&url, &["dead-letters", "reprocess", &task.id.to_string()]);
+    assert!(reprocessed.status.success(), "{}", text(&reprocessed));
+    assert!(
+        text(&reprocessed).contains(&format!("execution {id} resumed")),
+        "{}",
+        text(&reprocessed)
+    );
+    assert_eq!(
+        engine.status(id).await.unwrap(),
+        confluo::ExecutionStatus::Running
+    );
+    let again = confluo(&url, &["dead-letters", "reprocess", &task.id.to_string()]);
+    assert_eq!(again.status.code(), Some(1), "{}", text(&again));
+    assert!(
+        text(&again).contains("is pending, not dead-lettered"),
+        "{}",
+        text(&again)
+    );
+    let none = confluo(&url, &["dead-letters", "reprocess", "--all"]);
+    assert!(text(&none).contains("0 reprocessed"), "{}", text(&none));
+    let unknown = confluo(
+        &url,
+        &[
+            "dead-letters",
+            "show",
+            "7c3f1e2a-0000-4000-8000-000000000000",
+        ],
+    );
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(text(&unknown).contains("not found"), "{}", text(&unknown));
+
+    // Deadlines: a timed-out execution is listed as such.
+    let late = engine
+        .start_with(
+            "charge",
+            &serde_json::json!({}),
+            confluo::StartOptions::new().deadline(Duration::from_millis(1)),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(engine.time_out_expired(10).await.unwrap(), vec![late]);
+    let timed_out = confluo(&url, &["list", "--status", "timed_out", "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&timed_out.stdout).expect("JSON");
+    assert_eq!(value[0]["id"], late.to_string());
+    let inspected = confluo(&url, &["inspect", &late.to_string()]);
+    assert!(text(&inspected).contains("timed_out") && text(&inspected).contains("deadline"));
 
     engine.pool().close().await;
     sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
