@@ -45,7 +45,8 @@ pub async fn inspect(engine: Engine, args: InspectArgs) -> anyhow::Result<ExitCo
     Ok(ExitCode::SUCCESS)
 }
 
-fn timeline(e: &Execution) -> String {
+/// An execution as text: header, one line per stage, its dead letters.
+pub fn timeline(e: &Execution) -> String {
     let mut out = format!(
         "execution {}\n  workflow {} v{}, {}, started {}",
         e.id, e.workflow, e.version, e.status, e.created_at

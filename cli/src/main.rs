@@ -7,12 +7,17 @@
 //! confluo cancel <execution>
 //! confluo dead-letters list|show <task>|reprocess <task>...
 //! confluo doctor [--repair] [--json]
+//! confluo demo --width 10000
+//! confluo bench --quick
 //! confluo stress --executions 200 --width 1000 --processes 3 --all-faults
 //! ```
 
+mod bench;
 mod dead_letters;
+mod demo;
 mod doctor;
 mod executions;
+mod server;
 mod stress;
 
 use std::time::Duration;
@@ -56,9 +61,18 @@ enum Command {
     /// groups with every member terminal that never fired, running executions with
     /// nothing left to run. Exits 1 when it finds something (and did not repair it).
     Doctor(doctor::Args),
+    /// Runs a wide map and its fan-in with real workers, in a database of its own, and
+    /// checks that the fan-in fired exactly once. Starts a throwaway PostgreSQL when none
+    /// is configured or reachable.
+    Demo(demo::Args),
     /// Runs many wide executions under injected faults, then checks the invariants in the
-    /// database. Exits 1 on any violation.
+    /// database. Exits 1 on any violation. Starts a throwaway PostgreSQL when none is
+    /// configured or reachable.
     Stress(stress::Args),
+    /// Benchmarks the fan-in strategies side by side against the no-fan-in floor:
+    /// throughput, latency, round trips, stalls and double fires. Starts a throwaway
+    /// PostgreSQL when none is configured or reachable.
+    Bench(bench::Args),
     /// Runs a stress worker (spawned by `stress --processes`).
     #[command(hide = true)]
     StressWorker(stress::WorkerArgs),
@@ -68,7 +82,10 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // Under `stress` the engine's warnings (reclaimed leases, lost connections) are the
     // injected faults doing their work: only errors are shown, unless RUST_LOG says more.
-    let quiet = matches!(cli.command, Command::Stress(_) | Command::StressWorker(_));
+    let quiet = matches!(
+        cli.command,
+        Command::Stress(_) | Command::StressWorker(_) | Command::Bench(_)
+    );
     let filter = match std::env::var("RUST_LOG") {
         Ok(directives) if !directives.trim().is_empty() => directives,
         _ => if quiet { "error" } else { "warn" }.to_owned(),
@@ -78,7 +95,15 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
-    match runtime.block_on(run(cli)) {
+    // On Ctrl-C the command's future is dropped, which stops and removes a throwaway
+    // server (the terminal's SIGINT has already asked it to shut down).
+    let interruptible = async {
+        tokio::select! {
+            result = run(cli) => result,
+            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+        }
+    };
+    match runtime.block_on(interruptible) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -88,6 +113,23 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
+    // These bring a throwaway server when none is configured or reachable.
+    if matches!(
+        cli.command,
+        Command::Demo(_) | Command::Stress(_) | Command::Bench(_)
+    ) {
+        let configured = cli.database_url.as_deref().map(parse_url).transpose()?;
+        let server = server::Server::pick(configured.as_ref()).await?;
+        return match cli.command {
+            Command::Demo(args) => demo::run(server.admin(), args).await,
+            Command::Bench(args) => bench::run(server.admin(), args).await,
+            Command::Stress(args) => {
+                let url = server.url(cli.database_url.as_deref().unwrap_or_default());
+                stress::run(server.admin(), &url, args).await
+            }
+            _ => unreachable!(),
+        };
+    }
     let options = database(cli.database_url.as_deref())?;
     match cli.command {
         Command::Migrate => {
@@ -102,9 +144,8 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::DeadLetters(args) => dead_letters::run(connect(&options, 2).await?, args).await,
         Command::Purge(args) => executions::purge(connect(&options, 2).await?, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
-        Command::Stress(args) => {
-            let url = cli.database_url.as_deref().unwrap_or_default();
-            stress::run(options, url, args).await
+        Command::Demo(_) | Command::Stress(_) | Command::Bench(_) => {
+            unreachable!("handled above")
         }
         Command::StressWorker(args) => stress::worker_process(options, args).await,
     }
@@ -116,6 +157,10 @@ fn database(url: Option<&str>) -> anyhow::Result<PgConnectOptions> {
         "no database: pass --database-url or set DATABASE_URL \
          (e.g. postgres://postgres@127.0.0.1:5432/postgres)",
     )?;
+    parse_url(url)
+}
+
+fn parse_url(url: &str) -> anyhow::Result<PgConnectOptions> {
     url.parse()
         .with_context(|| "the database URL is not a valid PostgreSQL URL".to_string())
 }

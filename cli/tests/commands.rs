@@ -273,6 +273,65 @@ async fn dead_letters_list_show_and_reprocess() {
 }
 
 #[test]
+fn demo_runs_on_the_configured_server_or_a_throwaway_one() {
+    let configured = confluo(
+        &server_url(),
+        &[
+            "demo",
+            "--width",
+            "200",
+            "--database",
+            "confluo_cli_demo_test",
+        ],
+    );
+    assert!(configured.status.success(), "{}", text(&configured));
+    let out = text(&configured);
+    assert!(out.contains("using PostgreSQL at"), "{out}");
+    assert!(out.contains("dispatched: exactly once"), "{out}");
+
+    // With no server configured, a throwaway one (or a clear message where none can start).
+    let throwaway = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .args(["demo", "--width", "100"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    let out = text(&throwaway);
+    if throwaway.status.success() {
+        assert!(out.contains("started a throwaway PostgreSQL"), "{out}");
+        assert!(out.contains("dispatched: exactly once"), "{out}");
+        let dir = out
+            .split("data in ")
+            .nth(1)
+            .and_then(|rest| rest.split(',').next())
+            .expect("the data directory is named");
+        assert!(
+            !std::path::Path::new(dir).exists(),
+            "{dir} is removed at exit"
+        );
+    } else {
+        assert!(
+            out.contains("no throwaway server could be started") && out.contains("DATABASE_URL"),
+            "{out}"
+        );
+    }
+    let unreachable = confluo(
+        "postgres://postgres@127.0.0.1:1/postgres",
+        &[
+            "demo",
+            "--width",
+            "10",
+            "--database",
+            "confluo_cli_demo_test",
+        ],
+    );
+    assert!(
+        text(&unreachable).contains("127.0.0.1:1 does not answer"),
+        "{}",
+        text(&unreachable)
+    );
+}
+
+#[test]
 fn no_database_configured_says_how_to_point_at_one() {
     let out = Command::new(env!("CARGO_BIN_EXE_confluo"))
         .arg("list")

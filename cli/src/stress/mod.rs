@@ -10,12 +10,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use confluo::{Engine, FanInStrategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::PgPool;
 
 use handlers::{Context, HandlerFaults};
 
@@ -127,18 +126,7 @@ async fn pool(
 
 /// Drops and creates the run's database, migrates it, and creates the harness's tables.
 async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result<PgConnectOptions> {
-    anyhow::ensure!(
-        name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
-        "--database must be letters, digits and underscores"
-    );
-    let mut admin = server.connect().await.context("cannot reach PostgreSQL")?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut admin)
-        .await?;
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut admin)
-        .await?;
-    let options = server.clone().database(name);
+    let options = crate::server::fresh_database(server, name).await?;
     let engine = Engine::new(pool(&options, 2, "confluo-stress").await?);
     engine.migrate().await?;
     sqlx::raw_sql(

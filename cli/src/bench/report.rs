@@ -6,7 +6,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::scenario::{Mode, Result};
+use super::scenario::{Mode, Result};
 
 pub struct Report {
     results: Vec<Result>,

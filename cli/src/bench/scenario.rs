@@ -328,7 +328,7 @@ async fn wait_started(started: &Started, id: ExecutionId, timeout: Duration) -> 
 /// connections and registering the workflow are not counted).
 pub async fn round_trips(
     setup: &Setup<'_>,
-    proxy: &crate::round_trips::CountingProxy,
+    proxy: &super::round_trips::CountingProxy,
     upstream: &sqlx::postgres::PgConnectOptions,
     mode: Mode,
     (width, finishers): (usize, usize),

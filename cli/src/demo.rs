@@ -1,0 +1,157 @@
+//! `confluo demo`: a wide map and its fan-in, run by real workers (each with its own
+//! pool, as separate processes would be) in a database of its own, then checked.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use confluo::{
+    Engine, ExecutionStatus, FanInStrategy, MapResults, RetryPolicy, Stage, TaskError, Workflow,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Members of the map.
+    #[arg(long, default_value_t = 10_000)]
+    width: u64,
+    /// Workers, each with a pool of its own.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Every N-th member fails for good and is dead-lettered (0: none).
+    #[arg(long, default_value_t = 1_000)]
+    fail_every: u64,
+    /// Fan-in strategy of the map: countdown, striped or row_lock.
+    #[arg(long, default_value_t = FanInStrategy::Countdown)]
+    strategy: FanInStrategy,
+    /// The demo's own database (dropped and created anew).
+    #[arg(long, default_value = "confluo_demo")]
+    database: String,
+}
+
+const WORKFLOW: &str = "demo-orders";
+
+fn workflow(strategy: FanInStrategy) -> Workflow {
+    Workflow::new(WORKFLOW, 1)
+        // The list of items the map fans out over.
+        .step("plan")
+        // One member per item: every `fail_every`-th fails for good (a dead letter), every
+        // 7th fails once and succeeds on retry.
+        .stage(Stage::map("process").fan_in(strategy).retry(
+            RetryPolicy::exponential(3).backoff(Duration::from_millis(50), Duration::from_secs(1)),
+        ))
+        // The fan-in: runs once, with every output and the list of failures.
+        .step("report")
+}
+
+pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode> {
+    let options = crate::server::fresh_database(&admin, &args.database).await?;
+    let engine = Engine::new(
+        PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.clone())
+            .await?,
+    );
+    engine.migrate().await?;
+    engine.register(&workflow(args.strategy)).await?;
+    println!(
+        "confluo demo: a map of width {} ({}) then a fan-in step, {} workers with pools of their own",
+        args.width, args.strategy, args.workers
+    );
+    let mut workers = Vec::new();
+    for i in 0..args.workers {
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.clone())
+            .await?;
+        let fail_every = args.fail_every;
+        let worker = Engine::new(pool)
+            .worker()
+            .id(format!("demo-worker-{i}"))
+            .concurrency(32)
+            .batch_size(32)
+            .handler(WORKFLOW, "plan", |t| async move {
+                let n: u64 = t.input_as()?;
+                Ok::<_, TaskError>((0..n).collect::<Vec<_>>())
+            })
+            .handler(WORKFLOW, "process", move |t| async move {
+                let item: u64 = t.input_as()?;
+                if fail_every > 0 && item % fail_every == fail_every - 1 {
+                    return Err(TaskError::permanent(format!("item {item} is out of stock")));
+                }
+                if item % 7 == 3 && t.attempt() == 1 {
+                    return Err(TaskError::retryable("payment gateway timeout"));
+                }
+                Ok(item * 2)
+            })
+            .handler(WORKFLOW, "report", |t| async move {
+                let r: MapResults<u64> = t.input_as()?;
+                Ok::<_, TaskError>(json!({
+                    "processed": r.outputs.len(),
+                    "failed": r.failed.len(),
+                    "total": r.outputs.iter().sum::<u64>(),
+                }))
+            })
+            .start()
+            .await?;
+        workers.push(worker);
+    }
+
+    let started = Instant::now();
+    let id = engine.start(WORKFLOW, &args.width).await?;
+    println!("execution {id}");
+    let bar = ProgressBar::new(args.width).with_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} members {msg}")?
+            .progress_chars("=> "),
+    );
+    let execution = loop {
+        let execution = engine.execution(id).await?;
+        if let Some(map) = execution.stages.get(1) {
+            bar.set_position(u64::from(map.completed + map.dead));
+            bar.set_message(format!("({} dead letters)", map.dead));
+        }
+        if execution.status.is_terminal() {
+            break execution;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    bar.finish_and_clear();
+    let elapsed = started.elapsed();
+    for worker in workers {
+        worker.shutdown().await;
+    }
+    print!("{}", crate::executions::timeline(&execution));
+    println!(
+        "\n  {} members in {:.2?} ({:.0}/s); output: {}",
+        args.width,
+        elapsed,
+        args.width as f64 / elapsed.as_secs_f64(),
+        execution.output.clone().unwrap_or_default()
+    );
+
+    // The fan-in, checked from the database itself: every group fired once, and the
+    // report step was dispatched exactly once.
+    let (groups, fired, reports): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(fired_at),
+                (SELECT count(*) FROM confluo.task WHERE execution_id = $1 AND stage_index = 2)
+           FROM confluo.stage_group WHERE execution_id = $1",
+    )
+    .bind(id)
+    .fetch_one(engine.pool())
+    .await?;
+    let exactly_once = groups == 3 && fired == 3 && reports == 1;
+    println!(
+        "  fan-in: {groups} groups, {fired} fired, {reports} report task dispatched: {}",
+        if exactly_once {
+            "exactly once"
+        } else {
+            "VIOLATION"
+        }
+    );
+    if execution.status != ExecutionStatus::Completed || !exactly_once {
+        println!("the demo did not complete as expected");
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,343 @@
+//! A PostgreSQL server for `demo`, `stress` and `bench`: the configured one when it
+//! answers; else a throwaway local server started from PostgreSQL's own binaries (on the
+//! PATH or under /usr/lib/postgresql/*/bin, run as the `postgres` user when we are root,
+//! on a free port, its data removed at exit); else a testcontainers one where a Docker
+//! engine answers. Each choice is said on stderr; with none available, the error says
+//! how to point the command at a server.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection};
+
+/// The server a command runs against; a throwaway one is stopped and removed on drop.
+pub enum Server {
+    /// The configured server.
+    Configured(Box<PgConnectOptions>),
+    /// A local server of our own.
+    Local(LocalPostgres),
+    /// A container of our own.
+    Container(Box<Container>),
+}
+
+/// A testcontainers PostgreSQL, removed on drop.
+pub struct Container {
+    options: PgConnectOptions,
+    _container: testcontainers::ContainerAsync<testcontainers_modules::postgres::Postgres>,
+}
+
+impl Server {
+    /// The configured server if it answers, else a throwaway one.
+    pub async fn pick(configured: Option<&PgConnectOptions>) -> anyhow::Result<Server> {
+        let why = match configured {
+            None => "no database configured (--database-url, DATABASE_URL)".to_owned(),
+            Some(options) => match reachable(options).await {
+                Ok(()) => {
+                    eprintln!(
+                        "using PostgreSQL at {}:{}",
+                        options.get_host(),
+                        options.get_port()
+                    );
+                    return Ok(Server::Configured(Box::new(options.clone())));
+                }
+                Err(error) => format!(
+                    "PostgreSQL at {}:{} does not answer ({error})",
+                    options.get_host(),
+                    options.get_port()
+                ),
+            },
+        };
+        eprintln!("{why}: starting a throwaway PostgreSQL");
+        let local = match LocalPostgres::start().await {
+            Ok(local) => {
+                eprintln!(
+                    "started a throwaway PostgreSQL from {} on 127.0.0.1:{} (data in {}, \
+                     removed at exit)",
+                    local.bin.display(),
+                    local.port,
+                    local.dir.path().display()
+                );
+                return Ok(Server::Local(local));
+            }
+            Err(error) => error,
+        };
+        let container = match start_container().await {
+            Ok(container) => {
+                eprintln!(
+                    "started a throwaway PostgreSQL container on {}:{} (removed at exit)",
+                    container.options.get_host(),
+                    container.options.get_port()
+                );
+                return Ok(Server::Container(Box::new(container)));
+            }
+            Err(error) => error,
+        };
+        bail!(
+            "{why}, and no throwaway server could be started:\n  \
+             local server binaries: {local:#}\n  \
+             Docker: {container:#}\n\
+             Point the command at a server with --database-url or DATABASE_URL, e.g.\n  \
+             DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres, or install PostgreSQL's \
+             server (e.g. apt install postgresql) or start a Docker engine."
+        )
+    }
+
+    /// Options to connect to the server's maintenance database as a superuser.
+    pub fn admin(&self) -> PgConnectOptions {
+        match self {
+            Server::Configured(options) => (**options).clone(),
+            Server::Local(local) => local.options(),
+            Server::Container(container) => container.options.clone(),
+        }
+    }
+
+    /// A URL for child processes (stress workers); the password is included.
+    pub fn url(&self, configured_url: &str) -> String {
+        match self {
+            Server::Configured(_) => configured_url.to_owned(),
+            other => {
+                let o = other.admin();
+                let password = match other {
+                    Server::Container(_) => ":postgres",
+                    _ => "",
+                };
+                format!(
+                    "postgres://postgres{password}@{}:{}/postgres",
+                    o.get_host(),
+                    o.get_port()
+                )
+            }
+        }
+    }
+}
+
+async fn reachable(options: &PgConnectOptions) -> anyhow::Result<()> {
+    let conn = tokio::time::timeout(Duration::from_secs(5), options.connect())
+        .await
+        .context("timed out")??;
+    conn.close().await?;
+    Ok(())
+}
+
+/// A PostgreSQL server run from the machine's binaries in a temporary directory.
+pub struct LocalPostgres {
+    bin: PathBuf,
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Child,
+    as_postgres: bool,
+}
+
+impl LocalPostgres {
+    /// Initializes a cluster in a fresh temporary directory and starts it on a free port.
+    pub async fn start() -> anyhow::Result<LocalPostgres> {
+        let bin = server_binaries().context("no PostgreSQL server binaries (initdb, postgres)")?;
+        let as_postgres = is_root();
+        if as_postgres && Command::new("runuser").arg("--help").output().is_err() {
+            bail!("running as root, and `runuser` (to run the server as postgres) is missing");
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("confluo-pg-")
+            .tempdir()
+            .context("creating a temporary directory")?;
+        if as_postgres {
+            run(Command::new("chown").args(["postgres:", &path(dir.path())]))
+                .context("giving the data directory to the postgres user")?;
+        }
+        let data = dir.path().join("data");
+        let mut initdb = command(as_postgres, &bin.join("initdb"));
+        initdb.args([
+            "-D",
+            &path(&data),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ]);
+        run(&mut initdb).context("initdb failed")?;
+        let port = free_port()?;
+        let log = std::fs::File::create(dir.path().join("server.log"))?;
+        let mut postgres = command(as_postgres, &bin.join("postgres"));
+        postgres
+            .args([
+                "-D",
+                &path(&data),
+                "-p",
+                &port.to_string(),
+                "-k",
+                &path(dir.path()),
+            ])
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "max_connections=300",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let child = postgres.spawn().context("starting postgres")?;
+        let mut local = LocalPostgres {
+            bin,
+            port,
+            dir,
+            child,
+            as_postgres,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if reachable(&local.options()).await.is_ok() {
+                return Ok(local);
+            }
+            if let Some(status) = local.child.try_wait()? {
+                let log = std::fs::read_to_string(local.dir.path().join("server.log"))
+                    .unwrap_or_default();
+                bail!("postgres exited ({status}):\n{log}");
+            }
+            if Instant::now() > deadline {
+                bail!("postgres did not accept connections within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn options(&self) -> PgConnectOptions {
+        PgConnectOptions::new()
+            .host("127.0.0.1")
+            .port(self.port)
+            .username("postgres")
+            .database("postgres")
+    }
+}
+
+impl Drop for LocalPostgres {
+    fn drop(&mut self) {
+        // A fast shutdown through pg_ctl works whoever the server runs as.
+        let data = self.dir.path().join("data");
+        let mut stop = command(self.as_postgres, &self.bin.join("pg_ctl"));
+        stop.args(["stop", "-D", &path(&data), "-m", "fast", "-w"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if !stop.status().is_ok_and(|s| s.success()) {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+        // The temporary directory is removed when `dir` drops, right after this.
+    }
+}
+
+/// `program`, run as the postgres user when we are root.
+fn command(as_postgres: bool, program: &Path) -> Command {
+    if as_postgres {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(command: &mut Command) -> anyhow::Result<()> {
+    let out = command.output()?;
+    if !out.status.success() {
+        bail!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn path(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// The directory holding `initdb`, `postgres` and `pg_ctl`: found through the PATH (a
+/// symlinked `initdb` leads to the real directory), else the newest of Debian's
+/// /usr/lib/postgresql/<version>/bin.
+fn server_binaries() -> Option<PathBuf> {
+    let complete = |dir: &Path| {
+        ["initdb", "postgres", "pg_ctl"]
+            .iter()
+            .all(|b| dir.join(b).is_file())
+    };
+    let on_path = std::env::var_os("PATH").into_iter().flat_map(|p| {
+        std::env::split_paths(&p)
+            .filter_map(|dir| std::fs::canonicalize(dir.join("initdb")).ok())
+            .filter_map(|initdb| initdb.parent().map(Path::to_path_buf))
+            .collect::<Vec<_>>()
+    });
+    let mut debian: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path().join("bin"))))
+        .collect();
+    debian.sort();
+    on_path
+        .chain(debian.into_iter().rev().map(|(_, dir)| dir))
+        .find(|dir| complete(dir))
+}
+
+fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+async fn start_container() -> anyhow::Result<Container> {
+    use testcontainers::runners::AsyncRunner;
+    use testcontainers::ImageExt;
+    let container = tokio::time::timeout(
+        Duration::from_secs(180),
+        testcontainers_modules::postgres::Postgres::default()
+            .with_tag("16-alpine")
+            .start(),
+    )
+    .await
+    .context("the container did not start within 180 s")?
+    .context("no Docker engine answered")?;
+    let host = container.get_host().await?.to_string();
+    let port = container.get_host_port_ipv4(5432).await?;
+    Ok(Container {
+        options: PgConnectOptions::new()
+            .host(&host)
+            .port(port)
+            .username("postgres")
+            .password("postgres")
+            .database("postgres"),
+        _container: container,
+    })
+}
+
+/// Drops and creates the database `name` on the server of `admin`: a command's own
+/// database, so that it never mixes with an application's tables.
+pub async fn fresh_database(
+    admin: &PgConnectOptions,
+    name: &str,
+) -> anyhow::Result<PgConnectOptions> {
+    anyhow::ensure!(
+        !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+        "a database name must be letters, digits and underscores"
+    );
+    let mut conn = admin.connect().await.context("cannot reach PostgreSQL")?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut conn)
+        .await?;
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await?;
+    conn.close().await?;
+    Ok(admin.clone().database(name))
+}
