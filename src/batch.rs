@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::fanin::{self, FanInStrategy};
 use crate::ids::{GroupId, LeaseToken, TaskId};
 use crate::queue::{ClaimedTask, Outcome, CONFLICT_RETRIES};
-use crate::store::tasks;
+use crate::store::completions;
 
 impl Engine {
     /// Records several successful attempts in one transaction. Each group (or stripe) is
@@ -61,11 +61,13 @@ impl Engine {
         let counting = items
             .iter()
             .all(|(t, _)| matches!(t.fan_in, FanInStrategy::Countdown | FanInStrategy::Striped));
-        if counting && tasks::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await? {
+        if counting
+            && completions::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await?
+        {
             return Ok(vec![Outcome::Completed { fired: false }; items.len()]);
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let done = tasks::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
+        let done = completions::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
         let mut fired_groups = HashSet::new();
         for group in fanin::last_arrivals(&mut tx, &done).await? {
             let m = done.iter().find(|m| m.group_id == group).expect("a member");

@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 use super::Arrival;
 use crate::error::Result;
 use crate::ids::{LeaseToken, TaskId};
-use crate::store::tasks;
+use crate::store::completions;
 
 pub(super) async fn complete(
     conn: &mut PgConnection,
@@ -18,7 +18,7 @@ pub(super) async fn complete(
     token: LeaseToken,
     output: &Value,
 ) -> Result<Option<Arrival>> {
-    Ok(tasks::complete_counting_down(conn, id, token, output)
+    Ok(completions::complete_counting_down(conn, id, token, output)
         .await?
         .map(Arrival::from))
 }

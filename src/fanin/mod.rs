@@ -16,8 +16,8 @@ use sqlx::PgConnection;
 
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+use crate::store::completions::{self, CompletedRow, CountdownRow};
 use crate::store::groups;
-use crate::store::tasks::{self, CompletedRow, CountdownRow};
 
 mod countdown;
 #[cfg(feature = "naive-fan-in")]
@@ -77,7 +77,7 @@ impl FanInStrategy {
             FanInStrategy::Striped => striped::complete(conn, id, token, output).await,
             _ => {
                 // Re-counting strategies: write the status, then decide.
-                let Some(row) = tasks::complete_plain(conn, id, token, output).await? else {
+                let Some(row) = completions::complete_plain(conn, id, token, output).await? else {
                     return Ok(None);
                 };
                 let member = Member {
@@ -109,10 +109,10 @@ impl FanInStrategy {
     ) -> Result<bool> {
         match self {
             FanInStrategy::Countdown => {
-                tasks::complete_unless_last(conn, id, token, output, false).await
+                completions::complete_unless_last(conn, id, token, output, false).await
             }
             FanInStrategy::Striped => {
-                tasks::complete_unless_last(conn, id, token, output, true).await
+                completions::complete_unless_last(conn, id, token, output, true).await
             }
             _ => Ok(false),
         }
@@ -140,7 +140,7 @@ impl FanInStrategy {
 }
 
 /// The groups whose last arrival is among `completed`, the members that one batch
-/// statement completed ([`tasks::complete_many`]). That statement already counted down
+/// statement completed ([`completions::complete_many`]). That statement already counted down
 /// countdown and striped groups; re-counting strategies decide here, once per group.
 pub(crate) async fn last_arrivals(
     conn: &mut PgConnection,

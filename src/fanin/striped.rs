@@ -11,7 +11,7 @@ use sqlx::PgConnection;
 use super::{Arrival, Member};
 use crate::error::Result;
 use crate::ids::{LeaseToken, TaskId};
-use crate::store::{groups, tasks};
+use crate::store::{completions, groups};
 
 pub(super) async fn complete(
     conn: &mut PgConnection,
@@ -19,7 +19,7 @@ pub(super) async fn complete(
     token: LeaseToken,
     output: &Value,
 ) -> Result<Option<Arrival>> {
-    Ok(tasks::complete_striping(conn, id, token, output)
+    Ok(completions::complete_striping(conn, id, token, output)
         .await?
         .map(Arrival::from))
 }

@@ -9,6 +9,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use crate::error::Result;
 
 pub(crate) mod audit;
+pub(crate) mod completions;
 pub(crate) mod dead_letters;
 pub(crate) mod executions;
 pub(crate) mod groups;
