@@ -38,11 +38,18 @@ impl Engine {
         for (task, output) in items {
             self.check_output(task, output).await?;
         }
+        let started = std::time::Instant::now();
         let mut conflicts = 0;
         loop {
             match self.complete_batch_once(items).await {
                 Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
                     conflicts += 1
+                }
+                Ok(outcomes) => {
+                    for outcome in &outcomes {
+                        crate::metrics::acknowledged(outcome, started);
+                    }
+                    return Ok(outcomes);
                 }
                 other => return other,
             }

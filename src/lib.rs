@@ -66,6 +66,7 @@ mod fanin;
 mod handler;
 mod ids;
 mod listing;
+pub mod metrics;
 mod queue;
 mod store;
 mod worker;
@@ -82,7 +83,7 @@ pub use execution::{
 pub use fanin::{FanInStrategy, UnknownStrategy};
 pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
-pub use listing::{ExecutionSummary, ListFilter};
+pub use listing::{ExecutionSummary, ListFilter, QueueDepth};
 pub use queue::{ClaimedTask, Outcome};
 pub use worker::{Worker, WorkerBuilder};
 

@@ -8,7 +8,7 @@ use crate::engine::Engine;
 use crate::error::Result;
 use crate::execution::ExecutionStatus;
 use crate::ids::ExecutionId;
-use crate::store::executions;
+use crate::store::{executions, tasks};
 
 /// Which executions [`Engine::list`] returns.
 ///
@@ -85,7 +85,34 @@ pub struct ExecutionSummary {
     pub finished_at: Option<DateTime<Utc>>,
 }
 
+/// How many tasks wait and run, as [`Engine::queue_depth`] counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct QueueDepth {
+    /// Pending and due: claimable now.
+    pub due: u64,
+    /// Pending but not yet due (waiting out a retry's backoff).
+    pub scheduled: u64,
+    /// Claimed and running.
+    pub running: u64,
+}
+
 impl Engine {
+    /// Tasks due, scheduled and running, over every workflow. Workers sample it into the
+    /// `confluo_queue_depth` gauge (see [`metrics`](crate::metrics)).
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn queue_depth(&self) -> Result<QueueDepth> {
+        let mut conn = self.pool().acquire().await?;
+        let row = tasks::queue_depth(&mut conn).await?;
+        Ok(QueueDepth {
+            due: row.due as u64,
+            scheduled: row.scheduled as u64,
+            running: row.running as u64,
+        })
+    }
+
     /// Executions matching `filter`, the newest first.
     ///
     /// # Errors

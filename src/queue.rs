@@ -4,7 +4,7 @@
 //! service can drive tasks itself (or a test can race acknowledgements precisely).
 //! Every acknowledgement is fenced by the claim's [`LeaseToken`] and safe to repeat.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::execution::ExecutionStatus;
 use crate::fanin::{self, FanInStrategy, Member};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+use crate::metrics;
 use crate::store::{executions, groups, tasks};
 
 /// A task claimed for one attempt.
@@ -110,6 +111,7 @@ impl Engine {
         handler_keys: Option<&[String]>,
     ) -> Result<Vec<ClaimedTask>> {
         let mut conn = self.pool().acquire().await?;
+        let started = Instant::now();
         let rows = tasks::claim(
             &mut conn,
             worker_id,
@@ -118,6 +120,7 @@ impl Engine {
             handler_keys,
         )
         .await?;
+        metrics::claimed(started, rows.iter().map(|r| r.waited));
         rows.into_iter()
             .map(|r| {
                 Ok(ClaimedTask {
@@ -198,11 +201,16 @@ impl Engine {
     /// dropped before the commit, nothing is recorded.
     pub async fn complete(&self, task: &ClaimedTask, output: Value) -> Result<Outcome> {
         self.check_output(task, &output).await?;
+        let started = Instant::now();
         let mut conflicts = 0;
         loop {
             match self.complete_once(task, &output).await {
                 Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
                     conflicts += 1
+                }
+                Ok(outcome) => {
+                    metrics::acknowledged(&outcome, started);
+                    return Ok(outcome);
                 }
                 other => return other,
             }
@@ -307,6 +315,7 @@ impl Engine {
         permanent: bool,
         only_if_expired: bool,
     ) -> Result<Outcome> {
+        let started = Instant::now();
         let mut conflicts = 0;
         loop {
             match self
@@ -315,6 +324,10 @@ impl Engine {
             {
                 Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
                     conflicts += 1
+                }
+                Ok(outcome) => {
+                    metrics::acknowledged(&outcome, started);
+                    return Ok(outcome);
                 }
                 other => return other,
             }

@@ -257,6 +257,10 @@ async fn run(state: Arc<State>) {
             if let Err(error) = state.engine.time_out_expired(100).await {
                 tracing::warn!(%error, "timing out executions past their deadline failed");
             }
+            match state.engine.queue_depth().await {
+                Ok(depth) => crate::metrics::queue_depth(&depth),
+                Err(error) => tracing::debug!(%error, "sampling the queue depth failed"),
+            }
             next_reclaim = Instant::now() + (state.settings.lease / 2).min(Duration::from_secs(5));
         }
         let free = slots.available_permits().min(state.settings.batch_size);
@@ -409,6 +413,7 @@ async fn run_task(state: Arc<State>, task: ClaimedTask, _slot: OwnedSemaphorePer
         cancellation: cancellation.clone(),
     };
     // Spawned, so that a panic is caught as a failed attempt instead of killing the loop.
+    let started = Instant::now();
     let mut call = tokio::spawn(handler.call(context));
     let timeout = sleep(task.timeout);
     tokio::pin!(timeout);
@@ -440,6 +445,20 @@ async fn run_task(state: Arc<State>, task: ClaimedTask, _slot: OwnedSemaphorePer
             },
         }
     };
+    let label = match &ending {
+        Ending::Returned(Ok(_)) => "ok",
+        Ending::Returned(Err(_)) => "error",
+        Ending::Panicked(_) => "panic",
+        Ending::TimedOut => "timeout",
+        Ending::LeaseLost => "lease_lost",
+        Ending::Stopped => "stopped",
+    };
+    crate::metrics::handler_ran(
+        &task.workflow,
+        &task.handler,
+        label,
+        started.elapsed().as_secs_f64(),
+    );
     acknowledge(&state, &task, ending).await;
 }
 

@@ -16,7 +16,8 @@ pub struct Args {
     /// Members of the map.
     #[arg(long, default_value_t = 10_000)]
     width: u64,
-    /// Workers, each with a pool of its own.
+    /// Workers, each with a pool of its own (0: leave the work to `confluo worker`
+    /// processes).
     #[arg(long, default_value_t = 3)]
     workers: usize,
     /// Every N-th member fails for good and is dead-lettered (0: none).
@@ -25,14 +26,19 @@ pub struct Args {
     /// Fan-in strategy of the map: countdown, striped or row_lock.
     #[arg(long, default_value_t = FanInStrategy::Countdown)]
     strategy: FanInStrategy,
-    /// The demo's own database (dropped and created anew).
+    /// The demo's own database (dropped and created anew, unless --workers 0).
     #[arg(long, default_value = "confluo_demo")]
     database: String,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464) while it runs.
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
 }
 
-const WORKFLOW: &str = "demo-orders";
+/// The demo's workflow name.
+pub const WORKFLOW: &str = "demo-orders";
 
-fn workflow(strategy: FanInStrategy) -> Workflow {
+/// The demo workflow: a step that plans N items, a map over them, a fan-in step.
+pub fn workflow(strategy: FanInStrategy) -> Workflow {
     Workflow::new(WORKFLOW, 1)
         // The list of items the map fans out over.
         .step("plan")
@@ -46,7 +52,12 @@ fn workflow(strategy: FanInStrategy) -> Workflow {
 }
 
 pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode> {
-    let options = crate::server::fresh_database(&admin, &args.database).await?;
+    // Workers of other processes work in the database as it is; otherwise it starts anew.
+    let options = if args.workers == 0 {
+        crate::server::existing_database(&admin, &args.database).await?
+    } else {
+        crate::server::fresh_database(&admin, &args.database).await?
+    };
     let engine = Engine::new(
         PgPoolOptions::new()
             .max_connections(4)
@@ -54,50 +65,28 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
             .await?,
     );
     engine.migrate().await?;
-    engine.register(&workflow(args.strategy)).await?;
+    match engine.register(&workflow(args.strategy)).await {
+        // A `confluo worker` registered it first, with its default strategy.
+        Err(confluo::Error::DefinitionConflict { .. }) if args.workers == 0 => {}
+        other => other?,
+    }
     println!(
         "confluo demo: a map of width {} ({}) then a fan-in step, {} workers with pools of their own",
         args.width, args.strategy, args.workers
     );
+    if let Some(addr) = args.metrics {
+        crate::worker::serve_metrics(addr)?;
+    }
     let mut workers = Vec::new();
     for i in 0..args.workers {
-        let pool = PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(options.clone())
-            .await?;
-        let fail_every = args.fail_every;
-        let worker = Engine::new(pool)
-            .worker()
-            .id(format!("demo-worker-{i}"))
-            .concurrency(32)
-            .batch_size(32)
-            .handler(WORKFLOW, "plan", |t| async move {
-                let n: u64 = t.input_as()?;
-                Ok::<_, TaskError>((0..n).collect::<Vec<_>>())
-            })
-            .handler(WORKFLOW, "process", move |t| async move {
-                let item: u64 = t.input_as()?;
-                if fail_every > 0 && item % fail_every == fail_every - 1 {
-                    return Err(TaskError::permanent(format!("item {item} is out of stock")));
-                }
-                if item % 7 == 3 && t.attempt() == 1 {
-                    return Err(TaskError::retryable("payment gateway timeout"));
-                }
-                Ok(item * 2)
-            })
-            .handler(WORKFLOW, "report", |t| async move {
-                let r: MapResults<u64> = t.input_as()?;
-                Ok::<_, TaskError>(json!({
-                    "processed": r.outputs.len(),
-                    "failed": r.failed.len(),
-                    "total": r.outputs.iter().sum::<u64>(),
-                }))
-            })
-            .start()
-            .await?;
-        workers.push(worker);
+        workers.push(start_worker(&options, &format!("demo-worker-{i}"), args.fail_every).await?);
     }
-
+    if args.workers == 0 {
+        println!(
+            "no workers of its own: run `confluo worker --database {}` elsewhere",
+            args.database
+        );
+    }
     let started = Instant::now();
     let id = engine.start(WORKFLOW, &args.width).await?;
     println!("execution {id}");
@@ -154,4 +143,46 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A worker with a pool of its own serving the demo workflow: every `fail_every`-th item
+/// fails for good (0: none), every 7th fails once.
+pub async fn start_worker(
+    options: &PgConnectOptions,
+    id: &str,
+    fail_every: u64,
+) -> anyhow::Result<confluo::Worker> {
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.clone())
+        .await?;
+    Ok(Engine::new(pool)
+        .worker()
+        .id(id)
+        .concurrency(32)
+        .batch_size(32)
+        .handler(WORKFLOW, "plan", |t| async move {
+            let n: u64 = t.input_as()?;
+            Ok::<_, TaskError>((0..n).collect::<Vec<_>>())
+        })
+        .handler(WORKFLOW, "process", move |t| async move {
+            let item: u64 = t.input_as()?;
+            if fail_every > 0 && item % fail_every == fail_every - 1 {
+                return Err(TaskError::permanent(format!("item {item} is out of stock")));
+            }
+            if item % 7 == 3 && t.attempt() == 1 {
+                return Err(TaskError::retryable("payment gateway timeout"));
+            }
+            Ok(item * 2)
+        })
+        .handler(WORKFLOW, "report", |t| async move {
+            let r: MapResults<u64> = t.input_as()?;
+            Ok::<_, TaskError>(json!({
+                "processed": r.outputs.len(),
+                "failed": r.failed.len(),
+                "total": r.outputs.iter().sum::<u64>(),
+            }))
+        })
+        .start()
+        .await?)
 }

@@ -8,6 +8,7 @@
 //! confluo dead-letters list|show <task>|reprocess <task>...
 //! confluo doctor [--repair] [--json]
 //! confluo demo --width 10000
+//! confluo worker --metrics 127.0.0.1:9464
 //! confluo bench --quick
 //! confluo stress --executions 200 --width 1000 --processes 3 --all-faults
 //! ```
@@ -19,6 +20,7 @@ mod doctor;
 mod executions;
 mod server;
 mod stress;
+mod worker;
 
 use std::time::Duration;
 
@@ -73,6 +75,9 @@ enum Command {
     /// throughput, latency, round trips, stalls and double fires. Starts a throwaway
     /// PostgreSQL when none is configured or reachable.
     Bench(bench::Args),
+    /// Runs workers for the demo workflow until Ctrl-C or SIGTERM, with an optional
+    /// Prometheus endpoint (`--metrics 127.0.0.1:9464`).
+    Worker(worker::Args),
     /// Runs a stress worker (spawned by `stress --processes`).
     #[command(hide = true)]
     StressWorker(stress::WorkerArgs),
@@ -96,11 +101,13 @@ fn main() -> std::process::ExitCode {
         .init();
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
     // On Ctrl-C the command's future is dropped, which stops and removes a throwaway
-    // server (the terminal's SIGINT has already asked it to shut down).
+    // server (the terminal's SIGINT has already asked it to shut down). A worker handles
+    // Ctrl-C itself, to shut down gracefully.
+    let graceful = matches!(cli.command, Command::Worker(_));
     let interruptible = async {
         tokio::select! {
             result = run(cli) => result,
-            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+            _ = tokio::signal::ctrl_c(), if !graceful => Err(anyhow::anyhow!("interrupted")),
         }
     };
     match runtime.block_on(interruptible) {
@@ -143,6 +150,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Cancel(args) => executions::cancel(connect(&options, 2).await?, args).await,
         Command::DeadLetters(args) => dead_letters::run(connect(&options, 2).await?, args).await,
         Command::Purge(args) => executions::purge(connect(&options, 2).await?, args).await,
+        Command::Worker(args) => worker::run(options, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
         Command::Demo(_) | Command::Stress(_) | Command::Bench(_) => {
             unreachable!("handled above")

@@ -327,17 +327,48 @@ pub async fn fresh_database(
     admin: &PgConnectOptions,
     name: &str,
 ) -> anyhow::Result<PgConnectOptions> {
+    create_database(admin, name, true).await
+}
+
+/// Creates the database `name` on the server of `admin` unless it exists.
+pub async fn existing_database(
+    admin: &PgConnectOptions,
+    name: &str,
+) -> anyhow::Result<PgConnectOptions> {
+    create_database(admin, name, false).await
+}
+
+async fn create_database(
+    admin: &PgConnectOptions,
+    name: &str,
+    fresh: bool,
+) -> anyhow::Result<PgConnectOptions> {
     anyhow::ensure!(
         !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
         "a database name must be letters, digits and underscores"
     );
-    let mut conn = admin.connect().await.context("cannot reach PostgreSQL")?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut conn)
-        .await?;
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut conn)
-        .await?;
+    // From the maintenance database: the URL's own may be the one dropped.
+    let mut conn = admin
+        .clone()
+        .database("postgres")
+        .connect()
+        .await
+        .context("cannot reach PostgreSQL")?;
+    if fresh {
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .execute(&mut conn)
+            .await?;
+    }
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(name)
+            .fetch_one(&mut conn)
+            .await?;
+    if !exists {
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await?;
+    }
     conn.close().await?;
     Ok(admin.clone().database(name))
 }

@@ -345,3 +345,83 @@ fn no_database_configured_says_how_to_point_at_one() {
         text(&out)
     );
 }
+
+/// GET `path` from `addr` over plain HTTP/1.0; the body.
+fn http_get(addr: &str, path: &str) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_process_serves_prometheus_metrics_and_stops_gracefully() {
+    use std::time::Duration;
+    let database = "confluo_cli_worker_test";
+    let (mut admin, url) = fresh_database(database).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .args(["--database-url", &url, "worker", "--metrics", &addr])
+        .args(["--fail-every", "5"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let engine = Engine::connect(&url).await.unwrap();
+    // The worker migrates and registers the demo workflow.
+    let id = loop {
+        match engine.start("demo-orders", &20).await {
+            Ok(id) => break id,
+            Err(_) if worker.try_wait().unwrap().is_none() => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("the worker exited: {e}"),
+        }
+    };
+    let done = engine.wait(id, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(done.status, confluo::ExecutionStatus::Completed);
+
+    let metrics = http_get(&addr, "/metrics").expect("the metrics endpoint answers");
+    for expected in [
+        "confluo_tasks_total{outcome=\"completed\"}",
+        "confluo_tasks_total{outcome=\"dead_lettered\"} 4",
+        "confluo_tasks_total{outcome=\"retry_scheduled\"}",
+        "confluo_groups_fired_total 3",
+        "confluo_tasks_claimed_total",
+        "confluo_claim_duration_seconds",
+        "confluo_task_wait_seconds",
+        "confluo_handler_duration_seconds",
+        "handler=\"process\"",
+        "confluo_fan_in_seconds",
+        "confluo_queue_depth{state=\"due\"}",
+    ] {
+        assert!(metrics.contains(expected), "no {expected} in:\n{metrics}");
+    }
+
+    // SIGTERM: a graceful stop.
+    let killed = Command::new("kill")
+        .args(["-TERM", &worker.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = worker.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped"));
+
+    engine.pool().close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}

@@ -31,6 +31,8 @@ pub(crate) struct ClaimedRow {
     pub lease_expires_at: DateTime<Utc>,
     pub execution_status: String,
     pub fan_in: String,
+    /// Seconds from due (`run_at`) to this claim.
+    pub waited: f64,
 }
 
 /// Separates workflow and handler names in claim filters; names cannot contain it.
@@ -66,7 +68,8 @@ pub(crate) async fn claim(
                 t.timeout_ms, t.lease_token, t.lease_expires_at,
                 (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)
                     AS execution_status,
-                (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in",
+                (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in,
+                extract(epoch FROM now() - t.run_at)::float8 AS waited",
     )
     .bind(limit)
     .bind(lease_ms)
@@ -298,5 +301,24 @@ pub(crate) async fn expired_leases(conn: &mut PgConnection, limit: i64) -> Resul
     )
     .bind(limit)
     .fetch_all(conn)
+    .await?)
+}
+
+/// Tasks due now, scheduled later (backoff), and running.
+#[derive(Debug, Clone, Copy, FromRow)]
+pub(crate) struct DepthRow {
+    pub due: i64,
+    pub scheduled: i64,
+    pub running: i64,
+}
+
+/// Counts tasks due, scheduled and running (through the partial indexes on both states).
+pub(crate) async fn queue_depth(conn: &mut PgConnection) -> Result<DepthRow> {
+    Ok(sqlx::query_as(
+        "SELECT (SELECT count(*) FROM confluo.task WHERE status = 'pending' AND run_at <= now()) AS due,
+                (SELECT count(*) FROM confluo.task WHERE status = 'pending' AND run_at > now()) AS scheduled,
+                (SELECT count(*) FROM confluo.task WHERE status = 'running') AS running",
+    )
+    .fetch_one(conn)
     .await?)
 }

@@ -1,0 +1,82 @@
+//! `confluo worker`: a long-running worker process for the demo workflow, with a
+//! Prometheus endpoint. Start several against one database and run
+//! `confluo demo --workers 0` to watch them share the work.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use confluo::{Engine, FanInStrategy};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Serve Prometheus metrics on this address, e.g. 127.0.0.1:9464 (GET /metrics).
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// Worker loops in this process, each with a pool of its own.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// Every N-th item of the demo map fails for good (0: none).
+    #[arg(long, default_value_t = 1_000)]
+    fail_every: u64,
+    /// The database to work in (on the configured server).
+    #[arg(long)]
+    database: Option<String>,
+}
+
+/// Installs the Prometheus recorder and its HTTP listener on `addr`.
+pub fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| anyhow::anyhow!("cannot serve metrics on {addr}: {e}"))?;
+    confluo::metrics::describe();
+    eprintln!("metrics: http://{addr}/metrics");
+    Ok(())
+}
+
+pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode> {
+    let options = match &args.database {
+        Some(name) => options.database(name),
+        None => options,
+    };
+    if let Some(addr) = args.metrics {
+        serve_metrics(addr)?;
+    }
+    let engine = Engine::new(
+        PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(options.clone())
+            .await?,
+    );
+    engine.migrate().await?;
+    // The demo may have registered it already, with another fan-in strategy: keep that.
+    match engine
+        .register(&crate::demo::workflow(FanInStrategy::Countdown))
+        .await
+    {
+        Err(confluo::Error::DefinitionConflict { .. }) | Ok(()) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let mut workers = Vec::new();
+    for i in 0..args.workers.max(1) {
+        let id = format!("confluo-worker-{}-{i}", std::process::id());
+        workers.push(crate::demo::start_worker(&options, &id, args.fail_every).await?);
+    }
+    eprintln!(
+        "{} worker(s) serving {:?}; Ctrl-C (or SIGTERM) stops them gracefully",
+        workers.len(),
+        crate::demo::WORKFLOW
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    for worker in workers {
+        worker.shutdown().await;
+    }
+    eprintln!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
