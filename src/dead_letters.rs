@@ -201,11 +201,15 @@ impl Engine {
         })
     }
 
-    /// Puts a dead-lettered task back in the queue with a fresh attempt budget, resuming
-    /// its execution if the execution had failed; see the [module docs](crate) on
-    /// reprocessing. Safe against every concurrent completion: if the group fires before
-    /// the reprocess commits, the task's second result does not dispatch the next stage
-    /// again; if the reprocess commits first, the group waits for it.
+    /// Puts a dead-lettered task back in the queue with a fresh attempt budget and counts
+    /// its group back up, in one transaction. If its execution had failed, the execution
+    /// runs again, and the other dead and cancelled members of the stage that failed are
+    /// requeued with it. Safe against every concurrent completion: if the group fires
+    /// before the reprocess commits, the next stage was dispatched with the member listed
+    /// as failed, and the task's new result does not dispatch it again (the group's fired
+    /// marker); if the reprocess commits first, the group waits for it. The next stage
+    /// reads its input when claimed, so if it has not been claimed yet it sees the new
+    /// result.
     ///
     /// ```no_run
     /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
