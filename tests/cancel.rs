@@ -11,7 +11,6 @@ use std::time::Duration;
 use common::TestDb;
 use confluo::{Engine, ExecutionStatus, FanInStrategy, Outcome, Stage, TaskError, Workflow};
 use serde_json::json;
-use tokio::sync::Barrier;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancel_racing_the_last_completions_fires_at_most_once_and_dispatches_nothing_after() {
@@ -29,7 +28,7 @@ async fn cancel_racing_the_last_completions_fires_at_most_once_and_dispatches_no
         )
         .await;
         let (mut dispatched_before_cancel, mut cancelled_first) = (0, 0);
-        for round in 0..20 {
+        for round in 0..20u64 {
             let input: Vec<u32> = (0..6).collect();
             let id = db.engine.start(&name, &input).await.unwrap();
             let mut tasks = db
@@ -42,33 +41,21 @@ async fn cancel_racing_the_last_completions_fires_at_most_once_and_dispatches_no
             for task in tasks.drain(..4) {
                 db.engine.complete(&task, json!(1)).await.unwrap();
             }
-            let barrier = Arc::new(Barrier::new(3));
-            let mut finishers = Vec::new();
-            for task in tasks {
-                let (engine, barrier) = (db.engine.clone(), barrier.clone());
-                finishers.push(tokio::spawn(async move {
-                    drop(engine.pool().acquire().await.unwrap());
-                    barrier.wait().await;
-                    engine.complete(&task, json!(2)).await.unwrap()
-                }));
-            }
-            let canceller = {
-                let (engine, barrier) = (db.engine.clone(), barrier.clone());
-                tokio::spawn(async move {
-                    drop(engine.pool().acquire().await.unwrap());
-                    barrier.wait().await;
+            let (outcomes, cancelled) =
+                common::race_completions(&db.engine, tasks, json!(2), move |engine| async move {
+                    // Varying how late the cancel comes lets either side win some rounds.
+                    tokio::time::sleep(Duration::from_micros(round * 300)).await;
                     engine.cancel(id).await.unwrap()
                 })
-            };
-            let mut fired = 0;
-            for f in finishers {
-                match f.await.unwrap() {
-                    Outcome::Completed { fired: true } => fired += 1,
-                    Outcome::Completed { fired: false } => {}
-                    other => panic!("{strategy} round {round}: {other:?}"),
-                }
+                .await;
+            for o in &outcomes {
+                assert!(
+                    matches!(o, Outcome::Completed { .. }),
+                    "{strategy} round {round}: {o:?}"
+                );
             }
-            assert!(canceller.await.unwrap(), "the execution was running");
+            let fired = common::fired(&outcomes) as i64;
+            assert!(cancelled, "the execution was running");
 
             let (groups, open_next, done_next): (i64, i64, i64) = sqlx::query_as(
                 "SELECT (SELECT count(*) FROM confluo.stage_group

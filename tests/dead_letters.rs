@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::TestDb;
@@ -13,7 +12,6 @@ use confluo::{
     Outcome, RetryPolicy, Stage, Workflow,
 };
 use serde_json::{json, Value};
-use tokio::sync::Barrier;
 
 const LEASE: Duration = Duration::from_secs(60);
 
@@ -76,25 +74,15 @@ async fn reprocessing_racing_the_groups_last_completion_dispatches_the_next_stag
 
             // The group's last completion and the reprocess of its dead member, released
             // together on connections of their own.
-            let barrier = Arc::new(Barrier::new(2));
-            let finisher = {
-                let (engine, barrier) = (db.engine.clone(), barrier.clone());
-                tokio::spawn(async move {
-                    drop(engine.pool().acquire().await.unwrap());
-                    barrier.wait().await;
-                    engine.complete(&last, json!(3)).await.unwrap()
-                })
-            };
-            let reprocessor = {
-                let (engine, barrier, task) = (db.engine.clone(), barrier.clone(), dead.id);
-                tokio::spawn(async move {
-                    drop(engine.pool().acquire().await.unwrap());
-                    barrier.wait().await;
-                    engine.reprocess(task).await.unwrap()
-                })
-            };
-            let last_outcome = finisher.await.unwrap();
-            let reprocessed = reprocessor.await.unwrap();
+            let dead_id = dead.id;
+            let (outcomes, reprocessed) = common::race_completions(
+                &db.engine,
+                vec![last],
+                json!(3),
+                move |engine| async move { engine.reprocess(dead_id).await.unwrap() },
+            )
+            .await;
+            let last_outcome = outcomes[0].clone();
             assert!(!reprocessed.resumed);
             assert_eq!(reprocessed.requeued, vec![dead.id]);
 

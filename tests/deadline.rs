@@ -13,7 +13,6 @@ use confluo::{
     Engine, ExecutionStatus, FanInStrategy, Outcome, Stage, StartOptions, TaskError, Workflow,
 };
 use serde_json::json;
-use tokio::sync::Barrier;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn timing_out_racing_the_last_completions_fires_at_most_once_and_dispatches_nothing_after() {
@@ -48,21 +47,8 @@ async fn timing_out_racing_the_last_completions_fires_at_most_once_and_dispatche
                 db.engine.complete(&task, json!(1)).await.unwrap();
             }
             tokio::time::sleep(Duration::from_millis(40)).await;
-            let barrier = Arc::new(Barrier::new(3));
-            let mut finishers = Vec::new();
-            for task in tasks {
-                let (engine, barrier) = (db.engine.clone(), barrier.clone());
-                finishers.push(tokio::spawn(async move {
-                    drop(engine.pool().acquire().await.unwrap());
-                    barrier.wait().await;
-                    engine.complete(&task, json!(2)).await.unwrap()
-                }));
-            }
-            let sweeper = {
-                let (engine, barrier) = (db.engine.clone(), barrier.clone());
-                tokio::spawn(async move {
-                    drop(engine.pool().acquire().await.unwrap());
-                    barrier.wait().await;
+            let (outcomes, timed_out) =
+                common::race_completions(&db.engine, tasks, json!(2), move |engine| async move {
                     // Varying how late the sweep comes lets either side win some rounds.
                     tokio::time::sleep(Duration::from_micros(round * 200)).await;
                     // An execution whose row a firing completion holds is skipped (SKIP
@@ -75,16 +61,15 @@ async fn timing_out_racing_the_last_completions_fires_at_most_once_and_dispatche
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
                 })
-            };
-            let mut fired = 0;
-            for f in finishers {
-                match f.await.unwrap() {
-                    Outcome::Completed { fired: true } => fired += 1,
-                    Outcome::Completed { fired: false } => {}
-                    other => panic!("{strategy} round {round}: {other:?}"),
-                }
+                .await;
+            for o in &outcomes {
+                assert!(
+                    matches!(o, Outcome::Completed { .. }),
+                    "{strategy} round {round}: {o:?}"
+                );
             }
-            assert_eq!(sweeper.await.unwrap(), vec![id], "{strategy} round {round}");
+            let fired = common::fired(&outcomes) as i64;
+            assert_eq!(timed_out, vec![id], "{strategy} round {round}");
             let (groups, open_next): (i64, i64) = sqlx::query_as(
                 "SELECT (SELECT count(*) FROM confluo.stage_group
                           WHERE execution_id = $1 AND stage_index = 1),

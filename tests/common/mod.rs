@@ -234,3 +234,56 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Completes `tasks` (each with `output`) on connections of their own while `rival` runs
+/// on another, all released at the same instant by a barrier; returns the completions'
+/// outcomes, in order, and what `rival` returned. Each side takes its connection before
+/// the barrier, so none waits for the pool once released.
+pub async fn race_completions<R, Fut>(
+    engine: &Engine,
+    tasks: Vec<confluo::ClaimedTask>,
+    output: serde_json::Value,
+    rival: R,
+) -> (Vec<confluo::Outcome>, Fut::Output)
+where
+    R: FnOnce(Engine) -> Fut,
+    Fut: std::future::Future + Send + 'static,
+    Fut::Output: Send + 'static,
+{
+    use std::sync::Arc;
+    let barrier = Arc::new(tokio::sync::Barrier::new(tasks.len() + 1));
+    let mut finishers = Vec::new();
+    for task in tasks {
+        let (engine, barrier, output) = (engine.clone(), barrier.clone(), output.clone());
+        finishers.push(tokio::spawn(async move {
+            drop(engine.pool().acquire().await.unwrap());
+            barrier.wait().await;
+            engine.complete(&task, output).await.unwrap()
+        }));
+    }
+    let rival = {
+        let (pool, barrier, rival) = (
+            engine.pool().clone(),
+            barrier.clone(),
+            rival(engine.clone()),
+        );
+        tokio::spawn(async move {
+            drop(pool.acquire().await.unwrap());
+            barrier.wait().await;
+            rival.await
+        })
+    };
+    let mut outcomes = Vec::new();
+    for f in finishers {
+        outcomes.push(f.await.unwrap());
+    }
+    (outcomes, rival.await.unwrap())
+}
+
+/// How many of `outcomes` fired their group.
+pub fn fired(outcomes: &[confluo::Outcome]) -> usize {
+    outcomes
+        .iter()
+        .filter(|o| matches!(o, confluo::Outcome::Completed { fired: true }))
+        .count()
+}
