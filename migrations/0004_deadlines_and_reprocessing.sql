@@ -3,8 +3,10 @@
 -- An execution may carry a deadline; once it passes, a worker's sweep moves the execution
 -- to `timed_out` and cancels its pending tasks in the same transaction (as a cancel does).
 ALTER TABLE confluo.execution DROP CONSTRAINT execution_status_check;
+-- NOT VALID, then VALIDATE: the scan of existing rows runs without blocking writes.
 ALTER TABLE confluo.execution ADD CONSTRAINT execution_status_check
-    CHECK (status IN ('running', 'completed', 'failed', 'cancelled', 'timed_out'));
+    CHECK (status IN ('running', 'completed', 'failed', 'cancelled', 'timed_out')) NOT VALID;
+ALTER TABLE confluo.execution VALIDATE CONSTRAINT execution_status_check;
 ALTER TABLE confluo.execution ADD COLUMN deadline_at timestamptz;
 CREATE INDEX execution_deadline_idx ON confluo.execution (deadline_at)
     WHERE status = 'running' AND deadline_at IS NOT NULL;

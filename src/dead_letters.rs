@@ -7,8 +7,9 @@
 //! and cancelled members of its unfired group) is requeued with it. If the task's group
 //! had already fired, the next stage was dispatched with the member listed as failed: the
 //! task runs again and its result is recorded, but the group's fired marker keeps the next
-//! stage from being dispatched a second time. (The next stage reads its input by
-//! reference when claimed: claimed after the new result is recorded, it sees it.)
+//! stage from being dispatched a second time. (A step or parallel stage after it reads
+//! its input when claimed, so if claimed after the new result is recorded it sees it; a
+//! map after it was given its members' inputs when it was entered.)
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -207,9 +208,9 @@ impl Engine {
     /// requeued with it. Safe against every concurrent completion: if the group fires
     /// before the reprocess commits, the next stage was dispatched with the member listed
     /// as failed, and the task's new result does not dispatch it again (the group's fired
-    /// marker); if the reprocess commits first, the group waits for it. The next stage
-    /// reads its input when claimed, so if it has not been claimed yet it sees the new
-    /// result.
+    /// marker); if the reprocess commits first, the group waits for it. A step or
+    /// parallel stage after it reads its input when claimed, so if it has not been claimed
+    /// yet it sees the new result; a map after it got its members' inputs when entered.
     ///
     /// ```no_run
     /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
@@ -223,18 +224,24 @@ impl Engine {
     /// # Errors
     /// [`Error::TaskNotFound`]; [`Error::NotDeadLettered`] (including when a concurrent
     /// reprocess took it first); [`Error::ExecutionNotResumable`] when the execution is
-    /// completed, cancelled or timed out; [`Error::Database`].
+    /// completed, cancelled or timed out; [`Error::DeadlinePassed`] when it failed and its
+    /// deadline has passed since; [`Error::Database`].
     pub async fn reprocess(&self, task: TaskId) -> Result<Reprocessed> {
         let mut conflicts = 0;
         loop {
             match self.reprocess_once(task).await {
                 Err(e) if e.is_retryable_conflict() && conflicts < 5 => conflicts += 1,
-                other => return other,
+                // The execution changed status between the first read and its lock: look
+                // again (a status only changes a few times in an execution's life).
+                Ok(None) => {}
+                Ok(Some(done)) => return Ok(done),
+                Err(e) => return Err(e),
             }
         }
     }
 
-    async fn reprocess_once(&self, task: TaskId) -> Result<Reprocessed> {
+    /// One attempt; `None` when the execution's status changed under it (repeat).
+    async fn reprocess_once(&self, task: TaskId) -> Result<Option<Reprocessed>> {
         let mut tx = self.pool().begin().await?;
         let row = dead_letters::get(&mut tx, task)
             .await?
@@ -244,25 +251,22 @@ impl Engine {
             return Err(not_dead(row.status));
         }
         let execution = row.summary.execution_id;
-        let mut status = ExecutionStatus::parse(&row.summary.execution_status);
-        // With a counter, a running execution needs no lock: the requeue locks the task,
-        // its stripe and its group in the order every completion does, and a stop that
-        // races it leaves at worst a pending task that its claimer cancels. Re-counting
-        // strategies decide under the execution's lock, so the requeue takes it too;
-        // resuming a failed execution takes it first, as a stop does, and looks again.
-        let counted = matches!(row.fan_in.as_str(), "countdown" | "striped");
-        if status == ExecutionStatus::Failed || !counted {
-            let locked = dead_letters::lock_execution(&mut tx, execution)
-                .await?
-                .ok_or(Error::TaskNotFound(task))?;
-            status = ExecutionStatus::parse(&locked);
-        }
-        let resumed = match status {
+        let seen = ExecutionStatus::parse(&row.summary.execution_status);
+        let resume = match seen {
             ExecutionStatus::Running => false,
-            ExecutionStatus::Failed => executions::resume(&mut tx, execution).await?,
-            _ => return Err(Error::ExecutionNotResumable { execution, status }),
+            ExecutionStatus::Failed => true,
+            status => return Err(Error::ExecutionNotResumable { execution, status }),
         };
-        let requeued = dead_letters::requeue(&mut tx, task, execution, resumed).await?;
+        // Locks in the order of a completion that fires: tasks, stripes, groups, then the
+        // execution. Holding the execution's lock, nothing can stop, time out or fire it
+        // before this commits, and a status that changed since the first read is seen.
+        let requeued = dead_letters::requeue(&mut tx, task, execution, resume).await?;
+        let (status, deadline_passed) = dead_letters::lock_execution(&mut tx, execution)
+            .await?
+            .ok_or(Error::TaskNotFound(task))?;
+        if ExecutionStatus::parse(&status) != seen {
+            return Ok(None);
+        }
         let Some(own) = requeued.iter().find(|r| r.id == task) else {
             // A concurrent reprocess took it first.
             drop(tx);
@@ -271,6 +275,11 @@ impl Engine {
                 .map_or_else(|| "deleted".to_owned(), |r| r.status);
             return Err(not_dead(status));
         };
+        // Resumed past its deadline, the next sweep would cancel what was requeued.
+        if resume && deadline_passed {
+            return Err(Error::DeadlinePassed { execution });
+        }
+        let resumed = resume && executions::resume(&mut tx, execution).await?;
         let group_fired = dead_letters::group_fired(&mut tx, own.group_id).await?;
         tx.commit().await?;
         tracing::info!(
@@ -281,12 +290,12 @@ impl Engine {
             group_fired,
             "dead letter reprocessed"
         );
-        Ok(Reprocessed {
+        Ok(Some(Reprocessed {
             task_id: task,
             execution_id: execution,
             resumed,
             requeued: requeued.into_iter().map(|r| r.id).collect(),
             group_fired,
-        })
+        }))
     }
 }

@@ -333,6 +333,8 @@ impl Engine {
                     completed: s.completed as u32,
                     dead: s.dead as u32,
                     cancelled: s.cancelled as u32,
+                    attempts: s.attempts as u64,
+                    entered_at: s.entered_at,
                     fired_at: s.fired_at,
                 })
                 .collect(),

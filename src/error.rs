@@ -59,6 +59,14 @@ pub enum Error {
         status: crate::ExecutionStatus,
     },
 
+    /// The dead letter's execution failed and its deadline has passed since: resumed, it
+    /// would be timed out at once and what was requeued cancelled.
+    #[error("execution {execution} is past its deadline: its dead letters cannot be reprocessed")]
+    DeadlinePassed {
+        /// The execution.
+        execution: crate::ExecutionId,
+    },
+
     /// A worker was started without a handler for a stage (or branch) of a workflow it serves.
     #[error(
         "workflow {workflow} v{version} needs a handler named {handler:?}, and the worker has none"

@@ -148,6 +148,10 @@ pub struct StageProgress {
     pub dead: u32,
     /// Members cancelled.
     pub cancelled: u32,
+    /// Attempts made by its members (since their last reprocessing).
+    pub attempts: u64,
+    /// When the stage was entered (its group and members created).
+    pub entered_at: DateTime<Utc>,
     /// When the group fired (dispatched the next stage or completed the execution).
     pub fired_at: Option<DateTime<Utc>>,
 }

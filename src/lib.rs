@@ -83,7 +83,7 @@ pub use execution::{
 pub use fanin::{FanInStrategy, UnknownStrategy};
 pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
-pub use listing::{ExecutionSummary, ListFilter, QueueDepth};
+pub use listing::{ExecutionSummary, ListFilter, MemberSummary, QueueDepth};
 pub use queue::{ClaimedTask, Outcome};
 pub use worker::{Worker, WorkerBuilder};
 

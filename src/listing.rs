@@ -7,7 +7,7 @@ use serde::Serialize;
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::execution::ExecutionStatus;
-use crate::ids::ExecutionId;
+use crate::ids::{ExecutionId, TaskId};
 use crate::store::{executions, tasks};
 
 /// Which executions [`Engine::list`] returns.
@@ -97,7 +97,66 @@ pub struct QueueDepth {
     pub running: u64,
 }
 
+/// One member of a stage, as [`Engine::members`] lists it.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct MemberSummary {
+    /// The task.
+    pub task_id: TaskId,
+    /// Its position in the group.
+    pub item_index: u32,
+    /// Its handler (stage or branch name).
+    pub handler: String,
+    /// `pending`, `running`, `completed`, `dead` or `cancelled`.
+    pub status: String,
+    /// Attempts made (since its last reprocessing).
+    pub attempts: u32,
+    /// Times it was reprocessed.
+    pub reprocessed: u32,
+    /// When its latest attempt started.
+    pub started_at: Option<DateTime<Utc>>,
+    /// When it became terminal.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// The last attempt's error, if any failed.
+    pub last_error: Option<String>,
+}
+
 impl Engine {
+    /// Up to `limit` members of stage `stage_index` of an execution: those not completed
+    /// first (running, pending, dead, cancelled), then in item order.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn members(
+        &self,
+        execution: ExecutionId,
+        stage_index: usize,
+        limit: usize,
+    ) -> Result<Vec<MemberSummary>> {
+        let mut conn = self.pool().acquire().await?;
+        let rows = tasks::members(
+            &mut conn,
+            execution,
+            i32::try_from(stage_index).unwrap_or(i32::MAX),
+            i64::try_from(limit).unwrap_or(i64::MAX),
+        )
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| MemberSummary {
+                task_id: r.id,
+                item_index: r.item_index as u32,
+                handler: r.handler,
+                status: r.status,
+                attempts: r.attempt as u32,
+                reprocessed: r.reprocessed as u32,
+                started_at: r.started_at,
+                finished_at: r.finished_at,
+                last_error: r.last_error,
+            })
+            .collect())
+    }
+
     /// Tasks due, scheduled and running, over every workflow. Workers sample it into the
     /// `confluo_queue_depth` gauge (see [`metrics`](crate::metrics)).
     ///

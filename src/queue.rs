@@ -412,7 +412,20 @@ impl Engine {
     }
 
     /// Cancels a claimed task whose execution has stopped; it counts towards its group.
+    /// Gives it back instead if the execution is running again (resumed).
     pub(crate) async fn cancel_claimed(&self, task: &ClaimedTask) -> Result<bool> {
+        let mut conflicts = 0;
+        loop {
+            match self.cancel_claimed_once(task).await {
+                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn cancel_claimed_once(&self, task: &ClaimedTask) -> Result<bool> {
         let mut tx = self.pool().begin().await?;
         let Some(row) = tasks::cancel_claimed(&mut tx, task.id, task.lease).await? else {
             drop(tx);

@@ -340,3 +340,38 @@ async fn what_cannot_be_reprocessed_is_refused_with_a_typed_error() {
     assert_eq!(listed.len(), 1);
     assert_eq!((listed[0].reprocessed, listed[0].group_fired), (1, true));
 }
+
+#[tokio::test]
+async fn a_failed_execution_past_its_deadline_is_not_resumed() {
+    let db = TestDb::new(4).await;
+    db.register(&Workflow::new("late", 1).stage(Stage::step("charge").retry(RetryPolicy::none())))
+        .await;
+    let id = db
+        .engine
+        .start_with(
+            "late",
+            &json!({}),
+            confluo::StartOptions::new().deadline(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+    let task = claim_n(&db.engine, 1).await.remove(0);
+    db.engine.fail(&task, "declined", true).await.unwrap();
+    assert_eq!(db.engine.status(id).await.unwrap(), ExecutionStatus::Failed);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    match db.engine.reprocess(task.id).await {
+        Err(Error::DeadlinePassed { execution }) => assert_eq!(execution, id),
+        other => panic!("{other:?}"),
+    }
+    // Nothing changed: still failed, still a dead letter.
+    assert_eq!(db.engine.status(id).await.unwrap(), ExecutionStatus::Failed);
+    assert_eq!(
+        db.engine
+            .dead_letter(task.id)
+            .await
+            .unwrap()
+            .summary
+            .attempts,
+        1
+    );
+}

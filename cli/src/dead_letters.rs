@@ -192,6 +192,7 @@ async fn reprocess(engine: Engine, args: ReprocessArgs) -> anyhow::Result<ExitCo
             Err(
                 e @ (Error::NotDeadLettered { .. }
                 | Error::ExecutionNotResumable { .. }
+                | Error::DeadlinePassed { .. }
                 | Error::TaskNotFound(_)),
             ) => {
                 refused += 1;

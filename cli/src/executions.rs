@@ -8,6 +8,10 @@ use confluo::{Engine, Execution, ExecutionId, ExecutionStatus, ListFilter};
 pub struct InspectArgs {
     /// The execution's id.
     id: uuid::Uuid,
+    /// Also list up to this many members per stage (those not completed first), with
+    /// their status, attempts, duration and last error.
+    #[arg(long, num_args = 0..=1, default_missing_value = "10")]
+    members: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -37,10 +41,46 @@ pub struct CancelArgs {
 
 pub async fn inspect(engine: Engine, args: InspectArgs) -> anyhow::Result<ExitCode> {
     let execution = engine.execution(ExecutionId::from(args.id)).await?;
+    let mut members = Vec::new();
+    if let Some(limit) = args.members {
+        for stage in &execution.stages {
+            members.push(engine.members(execution.id, stage.index, limit).await?);
+        }
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&execution)?);
-    } else {
-        print!("{}", timeline(&execution));
+        let mut value = serde_json::to_value(&execution)?;
+        if args.members.is_some() {
+            value["members"] = serde_json::to_value(&members)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    print!("{}", timeline(&execution));
+    for (stage, members) in execution.stages.iter().zip(&members) {
+        println!(
+            "\n  stage {} {:?}: {} of {} members",
+            stage.index,
+            stage.name,
+            members.len(),
+            stage.width
+        );
+        for m in members {
+            let took = match (m.started_at, m.finished_at) {
+                (Some(s), Some(f)) => format!("{:.3} s", (f - s).as_seconds_f64()),
+                (Some(_), None) => "running".to_owned(),
+                _ => "-".to_owned(),
+            };
+            println!(
+                "    {:>6} {:<16} {:<9} {:>2} attempt(s) {:>10}  {}  {}",
+                format!("[{}]", m.item_index),
+                m.handler,
+                m.status,
+                m.attempts,
+                took,
+                m.task_id,
+                m.last_error.as_deref().unwrap_or("")
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -64,7 +104,7 @@ pub fn timeline(e: &Execution) -> String {
         out += &format!("\n  error: {error}");
     }
     out += &format!(
-        "\n\n  {:>3} {:<16} {:<8} {:>7} {:>9} {:>7} {:>7} {:>5} {:>9} {:>9}  {}\n",
+        "\n\n  {:>3} {:<16} {:<8} {:>7} {:>9} {:>7} {:>7} {:>5} {:>9} {:>9} {:>8}  {:<12} {}\n",
         "#",
         "stage",
         "kind",
@@ -75,11 +115,13 @@ pub fn timeline(e: &Execution) -> String {
         "dead",
         "cancelled",
         "remaining",
-        "fired"
+        "attempts",
+        "entered",
+        "fired after"
     );
     for s in &e.stages {
         out += &format!(
-            "  {:>3} {:<16} {:<8} {:>7} {:>9} {:>7} {:>7} {:>5} {:>9} {:>9}  {}\n",
+            "  {:>3} {:<16} {:<8} {:>7} {:>9} {:>7} {:>7} {:>5} {:>9} {:>9} {:>8}  {:<12} {}\n",
             s.index,
             s.name,
             s.kind,
@@ -90,7 +132,12 @@ pub fn timeline(e: &Execution) -> String {
             s.dead,
             s.cancelled,
             s.remaining,
-            s.fired_at.map_or("-".to_owned(), |t| t.to_string())
+            s.attempts,
+            s.entered_at.format("%H:%M:%S%.3f"),
+            s.fired_at.map_or("-".to_owned(), |t| format!(
+                "{:.3} s",
+                (t - s.entered_at).as_seconds_f64()
+            ))
         );
     }
     if !e.dead_letters.is_empty() {

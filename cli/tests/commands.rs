@@ -217,6 +217,23 @@ async fn dead_letters_list_show_and_reprocess() {
     assert_eq!(value["errors"][0]["error"], "card declined");
     assert_eq!(value["execution_id"], id.to_string());
 
+    // The timeline with its members: status, attempts, the last error.
+    let members = confluo(&url, &["inspect", &id.to_string(), "--members"]);
+    let out = text(&members);
+    assert!(
+        out.contains("stage 0 \"charge\": 1 of 1 members")
+            && out.contains("dead")
+            && out.contains("card declined"),
+        "{out}"
+    );
+    let members = confluo(
+        &url,
+        &["inspect", &id.to_string(), "--members", "5", "--json"],
+    );
+    let value: serde_json::Value = serde_json::from_slice(&members.stdout).expect("JSON");
+    assert_eq!(value["members"][0][0]["status"], "dead");
+    assert_eq!(value["stages"][0]["attempts"], 1);
+
     let reprocessed = confluo(&url, &["dead-letters", "reprocess", &task.id.to_string()]);
     assert!(reprocessed.status.success(), "{}", text(&reprocessed));
     assert!(

@@ -64,7 +64,6 @@ pub(crate) struct DeadLetterDetailRow {
     #[sqlx(flatten)]
     pub summary: DeadLetterRow,
     pub status: String,
-    pub fan_in: String,
     pub input: Option<Json<Value>>,
     pub errors: Json<Value>,
 }
@@ -75,7 +74,7 @@ pub(crate) async fn get(
     id: TaskId,
 ) -> Result<Option<DeadLetterDetailRow>> {
     Ok(sqlx::query_as(&format!(
-        "SELECT {COLUMNS}, t.status, g.fan_in, t.input, t.errors
+        "SELECT {COLUMNS}, t.status, t.input, t.errors
            FROM confluo.task t
            JOIN confluo.execution e ON e.id = t.execution_id
            JOIN confluo.stage_group g ON g.id = t.group_id
@@ -86,17 +85,19 @@ pub(crate) async fn get(
     .await?)
 }
 
-/// Locks an execution as a stage transition does and returns its status.
+/// Locks an execution as a stage transition does; returns its status, and whether it has
+/// a deadline that has passed.
 pub(crate) async fn lock_execution(
     conn: &mut PgConnection,
     id: ExecutionId,
-) -> Result<Option<String>> {
-    Ok(
-        sqlx::query_scalar("SELECT status FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
-            .bind(id)
-            .fetch_optional(conn)
-            .await?,
+) -> Result<Option<(String, bool)>> {
+    Ok(sqlx::query_as(
+        "SELECT status, coalesce(deadline_at < now(), false) FROM confluo.execution
+          WHERE id = $1 FOR NO KEY UPDATE",
     )
+    .bind(id)
+    .fetch_optional(conn)
+    .await?)
 }
 
 /// Whether a group has fired.

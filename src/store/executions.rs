@@ -259,6 +259,8 @@ pub(crate) struct StageRow {
     pub remaining: Option<i32>,
     pub fan_in: String,
     pub fired_at: Option<DateTime<Utc>>,
+    pub entered_at: DateTime<Utc>,
+    pub attempts: i64,
     pub pending: i64,
     pub running: i64,
     pub completed: i64,
@@ -276,7 +278,8 @@ where
                     WHEN 'striped' THEN (SELECT sum(s.remaining)::int FROM confluo.group_stripe s
                                           WHERE s.group_id = g.id)
                     ELSE g.remaining END AS remaining,
-                g.fan_in, g.fired_at,
+                g.fan_in, g.fired_at, g.created_at AS entered_at,
+                coalesce(sum(t.attempt), 0)::int8 AS attempts,
                 count(*) FILTER (WHERE t.status = 'pending')   AS pending,
                 count(*) FILTER (WHERE t.status = 'running')   AS running,
                 count(*) FILTER (WHERE t.status = 'completed') AS completed,

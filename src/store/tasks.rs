@@ -231,7 +231,9 @@ pub(crate) async fn cancel_claimed(
                FOR SHARE
          )
          UPDATE confluo.task
-            SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL
+            SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL,
+                -- The claim counted an attempt that never ran: a resume requeues it whole.
+                attempt = attempt - 1
           WHERE id = $1 AND lease_token = $2 AND status = 'running'
             AND EXISTS (SELECT 1 FROM stopped)
       RETURNING group_id, execution_id, stage_index, item_index",
@@ -320,5 +322,42 @@ pub(crate) async fn queue_depth(conn: &mut PgConnection) -> Result<DepthRow> {
                 (SELECT count(*) FROM confluo.task WHERE status = 'running') AS running",
     )
     .fetch_one(conn)
+    .await?)
+}
+
+/// One member of a stage, as listed.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct MemberListRow {
+    pub id: TaskId,
+    pub item_index: i32,
+    pub handler: String,
+    pub status: String,
+    pub attempt: i32,
+    pub reprocessed: i32,
+    pub started_at: Option<DateTime<Utc>>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+}
+
+/// Up to `limit` members of one stage of an execution: those not completed first, then
+/// in item order.
+pub(crate) async fn members(
+    conn: &mut PgConnection,
+    execution: ExecutionId,
+    stage_index: i32,
+    limit: i64,
+) -> Result<Vec<MemberListRow>> {
+    Ok(sqlx::query_as(
+        "SELECT id, item_index, handler, status, attempt, reprocessed, started_at, finished_at,
+                errors -> -1 ->> 'error' AS last_error
+           FROM confluo.task
+          WHERE execution_id = $1 AND stage_index = $2
+          ORDER BY status = 'completed', item_index
+          LIMIT $3",
+    )
+    .bind(execution)
+    .bind(stage_index)
+    .bind(limit)
+    .fetch_all(conn)
     .await?)
 }
