@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestDb;
+use common::{TestDb, STRATEGIES};
 use confluo::{Engine, ExecutionStatus, FanInStrategy, Outcome, Stage, TaskError, Workflow};
 use serde_json::json;
 
@@ -153,4 +153,99 @@ async fn running_handlers_see_the_cancellation_and_their_late_completions_change
         1,
         "nothing was dispatched after the cancel"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelling_stops_queued_work_and_dispatches_nothing() {
+    for strategy in STRATEGIES {
+        cancelling_stops_queued_work_and_dispatches_nothing_with(strategy).await;
+    }
+}
+
+async fn cancelling_stops_queued_work_and_dispatches_nothing_with(strategy: FanInStrategy) {
+    let db = TestDb::new(10).await;
+    db.register(
+        &Workflow::new("cancel", 1)
+            .stage(Stage::map("item").fan_in(strategy))
+            .step("after"),
+    )
+    .await;
+    let id = db.engine.start("cancel", &[1, 2, 3]).await.unwrap();
+    let running = db
+        .engine
+        .claim("t", 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(db.engine.cancel(id).await.unwrap());
+    assert!(
+        !db.engine.cancel(id).await.unwrap(),
+        "a second cancel changes nothing"
+    );
+    let exec = db.engine.execution(id).await.unwrap();
+    assert_eq!(exec.status, ExecutionStatus::Cancelled);
+    assert_eq!((exec.stages[0].cancelled, exec.stages[0].remaining), (2, 1));
+    assert!(db
+        .engine
+        .claim("t", 10, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .is_empty());
+    // The member that was running finishes: counted, but nothing is dispatched.
+    db.engine.complete(&running[0], json!(1)).await.unwrap();
+    let exec = db.engine.execution(id).await.unwrap();
+    assert_eq!((exec.stages.len(), exec.stages[0].remaining), (1, 0));
+    assert!(db
+        .engine
+        .cancel(confluo::ExecutionId::new())
+        .await
+        .unwrap_err()
+        .is_not_found());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelling_a_wide_striped_group_counts_every_stripe_down() {
+    let db = TestDb::new(10).await;
+    db.register(
+        &Workflow::new("striped", 1)
+            .stage(Stage::map("item").fan_in(FanInStrategy::Striped))
+            .step("after"),
+    )
+    .await;
+    let id = db.engine.start("striped", &vec![0; 100]).await.unwrap();
+    let stripes: i32 =
+        sqlx::query_scalar("SELECT stripes FROM confluo.stage_group WHERE execution_id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(stripes, 6, "one stripe per 16 members");
+    let running = db
+        .engine
+        .claim("t", 10, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(db.engine.cancel(id).await.unwrap());
+    let exec = db.engine.execution(id).await.unwrap();
+    assert_eq!(
+        (exec.stages[0].cancelled, exec.stages[0].remaining),
+        (90, 10)
+    );
+    for task in &running {
+        db.engine.complete(task, json!(1)).await.unwrap();
+    }
+    let (row, stripe_sum): (i32, i64) = sqlx::query_as(
+        "SELECT g.remaining, (SELECT sum(remaining) FROM confluo.group_stripe s WHERE s.group_id = g.id)
+           FROM confluo.stage_group g WHERE g.execution_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (row, stripe_sum),
+        (0, 0),
+        "every stripe drained, the group row at zero"
+    );
+    let exec = db.engine.execution(id).await.unwrap();
+    assert_eq!((exec.stages.len(), exec.stages[0].fired_at), (1, None));
 }

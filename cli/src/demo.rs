@@ -29,6 +29,10 @@ pub struct Args {
     /// The demo's own database (dropped and created anew, unless --workers 0).
     #[arg(long, default_value = "confluo_demo")]
     database: String,
+    /// Give the execution this long (e.g. 30s, 5m): past it, it is timed out and its
+    /// pending members cancelled.
+    #[arg(long, value_parser = crate::executions::parse_age)]
+    deadline: Option<chrono::Duration>,
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464) while it runs.
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
@@ -88,7 +92,11 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
         );
     }
     let started = Instant::now();
-    let id = engine.start(WORKFLOW, &args.width).await?;
+    let mut options = confluo::StartOptions::new();
+    if let Some(deadline) = args.deadline {
+        options = options.deadline(deadline.to_std()?);
+    }
+    let id = engine.start_with(WORKFLOW, &args.width, options).await?;
     println!("execution {id}");
     let bar = ProgressBar::new(args.width).with_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} members {msg}")?
@@ -119,6 +127,12 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
         execution.output.clone().unwrap_or_default()
     );
 
+    if execution.status == ExecutionStatus::TimedOut {
+        println!(
+            "  the execution passed its deadline: it was timed out and what was pending cancelled"
+        );
+        return Ok(ExitCode::from(1));
+    }
     // The fan-in, checked from the database itself: every group fired once, and the
     // report step was dispatched exactly once.
     let (groups, fired, reports): (i64, i64, i64) = sqlx::query_as(

@@ -203,7 +203,7 @@ pub struct PurgeArgs {
 }
 
 /// `30d`, `12h`, `45m` or `90s`.
-fn parse_age(s: &str) -> Result<chrono::Duration, String> {
+pub fn parse_age(s: &str) -> Result<chrono::Duration, String> {
     let (number, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
     let n: i64 = number
         .parse()

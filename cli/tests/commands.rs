@@ -331,6 +331,28 @@ fn demo_runs_on_the_configured_server_or_a_throwaway_one() {
             "{out}"
         );
     }
+    // A deadline shorter than the work: the execution is timed out by the worker's sweep.
+    let late = confluo(
+        &server_url(),
+        &[
+            "demo",
+            "--width",
+            "50000",
+            "--workers",
+            "1",
+            "--deadline",
+            "1s",
+            "--database",
+            "confluo_cli_demo_test",
+        ],
+    );
+    assert_eq!(late.status.code(), Some(1), "{}", text(&late));
+    let out = text(&late);
+    assert!(
+        out.contains("timed_out") && out.contains("passed its deadline"),
+        "{out}"
+    );
+
     let unreachable = confluo(
         "postgres://postgres@127.0.0.1:1/postgres",
         &[

@@ -287,3 +287,35 @@ pub fn fired(outcomes: &[confluo::Outcome]) -> usize {
         .filter(|o| matches!(o, confluo::Outcome::Completed { fired: true }))
         .count()
 }
+
+/// The strategies that must keep every invariant.
+pub const STRATEGIES: [confluo::FanInStrategy; 3] = [
+    confluo::FanInStrategy::Countdown,
+    confluo::FanInStrategy::Striped,
+    confluo::FanInStrategy::RowLock,
+];
+
+/// How long a test waits for an execution.
+pub const WAIT: Duration = Duration::from_secs(120);
+
+/// Retries fast: a few milliseconds of backoff.
+pub fn fast_retry(attempts: u32) -> confluo::RetryPolicy {
+    confluo::RetryPolicy::exponential(attempts)
+        .backoff(Duration::from_millis(10), Duration::from_millis(50))
+}
+
+/// A worker polling every 50 ms, 8 handlers at once, built by `build`.
+pub async fn quick_worker(
+    engine: &confluo::Engine,
+    build: impl FnOnce(confluo::WorkerBuilder) -> confluo::WorkerBuilder,
+) -> confluo::Worker {
+    build(
+        engine
+            .worker()
+            .poll_interval(Duration::from_millis(50))
+            .concurrency(8),
+    )
+    .start()
+    .await
+    .unwrap()
+}
