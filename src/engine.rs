@@ -357,8 +357,8 @@ impl Engine {
             .ok_or(Error::ExecutionNotFound(id))
     }
 
-    /// Waits until the execution is terminal (completed, failed, cancelled or timed out) and returns
-    /// its snapshot.
+    /// Waits until the execution is terminal (completed, failed, cancelled or timed out)
+    /// and returns its snapshot.
     ///
     /// # Errors
     /// [`Error::WaitTimeout`] after `timeout` (the execution goes on);
