@@ -1,6 +1,7 @@
 //! Faults injected from outside the handlers: a rogue client that replays completions and
-//! completes after its lease was reclaimed (a zombie), a killer of database connections,
-//! and a supervisor that SIGKILLs worker processes and starts new ones.
+//! completes after its lease was reclaimed (a zombie), an operator who cancels running
+//! executions, a killer of database connections, and a supervisor that SIGKILLs worker
+//! processes and starts new ones.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -18,6 +19,7 @@ pub struct Seen {
     pub violations: std::sync::Mutex<Vec<String>>,
     pub killed_connections: AtomicU64,
     pub killed_workers: AtomicU64,
+    pub cancelled: AtomicU64,
 }
 
 impl Seen {
@@ -195,5 +197,27 @@ impl Processes {
             }
         }
         None
+    }
+}
+
+/// Now and then cancels a running execution, whatever it is doing (its groups may be
+/// firing at that very moment).
+pub async fn cancels(engine: Engine, per_second: f64, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
+    let pause = Duration::from_secs_f64(1.0 / per_second);
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(pause).await;
+        let picked: Option<confluo::ExecutionId> = sqlx::query_scalar(
+            "SELECT id FROM confluo.execution WHERE status = 'running' ORDER BY random() LIMIT 1",
+        )
+        .fetch_optional(engine.pool())
+        .await
+        .ok()
+        .flatten();
+        // An error (e.g. a killed connection) cancels nothing; the run goes on.
+        if let Some(id) = picked {
+            if let Ok(true) = engine.cancel(id).await {
+                seen.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 }

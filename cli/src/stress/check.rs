@@ -24,7 +24,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
         rows(
             pool,
             "SELECT id || ' is ' || status FROM confluo.execution
-              WHERE status NOT IN ('completed', 'failed', 'cancelled') LIMIT 5",
+              WHERE status NOT IN ('completed', 'failed', 'cancelled', 'timed_out') LIMIT 5",
         )
         .await?,
     );

@@ -49,6 +49,13 @@ pub struct Args {
     /// Zombie completions per second: after the lease was reclaimed (each must change nothing).
     #[arg(long, default_value_t = 0.0)]
     zombies_per_second: f64,
+    /// Running executions cancelled per second by an operator, at any moment of their run.
+    #[arg(long, default_value_t = 0.0)]
+    cancels_per_second: f64,
+    /// Share of executions started with a deadline (1 to 20 s, drawn per execution): those
+    /// still running past it are timed out by the workers' sweep.
+    #[arg(long, default_value_t = 0.0)]
+    deadline_rate: f64,
     /// Terminate a random worker connection this often, in milliseconds (0: never).
     #[arg(long, default_value_t = 0)]
     kill_connection_every_ms: u64,
@@ -103,6 +110,8 @@ impl Args {
         or(&mut f.hang_rate, 0.001);
         or(&mut self.replays_per_second, 20.0);
         or(&mut self.zombies_per_second, 5.0);
+        or(&mut self.cancels_per_second, 0.5);
+        or(&mut self.deadline_rate, 0.05);
         if self.kill_connection_every_ms == 0 {
             self.kill_connection_every_ms = 1_500;
         }
@@ -232,6 +241,15 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
             seen.clone(),
         )));
     }
+    if args.cancels_per_second > 0.0 {
+        let e = Engine::new(pool(&options, 2, "confluo-stress-operator").await?);
+        chaos_tasks.push(tokio::spawn(chaos::cancels(
+            e,
+            args.cancels_per_second,
+            stop.clone(),
+            seen.clone(),
+        )));
+    }
     if args.kill_connection_every_ms > 0 {
         let every = Duration::from_millis(args.kill_connection_every_ms);
         chaos_tasks.push(tokio::spawn(chaos::kill_connections(
@@ -245,10 +263,23 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
     // Executions.
     let started = Instant::now();
     let mut ids = Vec::with_capacity(args.executions);
-    for _ in 0..args.executions {
+    for i in 0..args.executions {
+        // Deterministic per seed: the same executions get the same deadlines.
+        let draw = |salt: u64| {
+            let x = (args.seed ^ salt)
+                .wrapping_add(i as u64)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (x >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut options = confluo::StartOptions::new();
+        if draw(0xD1) < args.deadline_rate {
+            options = options.deadline(Duration::from_millis(
+                1_000 + (draw(0xD2) * 19_000.0) as u64,
+            ));
+        }
         ids.push(
             engine
-                .start(handlers::WORKFLOW, &json!({"width": args.width}))
+                .start_with(handlers::WORKFLOW, &json!({"width": args.width}), options)
                 .await?,
         );
     }
@@ -343,17 +374,22 @@ async fn summary(
     elapsed: Duration,
     seen: &chaos::Seen,
 ) -> anyhow::Result<String> {
-    let (completed, failed, tasks, retries, dead, fired): (i64, i64, i64, i64, i64, i64) =
-        sqlx::query_as(
-            "SELECT (SELECT count(*) FROM confluo.execution WHERE status = 'completed'),
-                (SELECT count(*) FROM confluo.execution WHERE status = 'failed'),
+    let (completed, failed, cancelled, timed_out): (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'completed'), count(*) FILTER (WHERE status = 'failed'),
+                count(*) FILTER (WHERE status = 'cancelled'), count(*) FILTER (WHERE status = 'timed_out')
+           FROM confluo.execution",
+    )
+    .fetch_one(pool)
+    .await?;
+    let (deadlines, tasks, retries, dead, fired): (i64, i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM confluo.execution WHERE deadline_at IS NOT NULL),
                 (SELECT count(*) FROM confluo.task),
                 (SELECT COALESCE(sum(greatest(attempt - 1, 0)), 0)::bigint FROM confluo.task),
                 (SELECT count(*) FROM confluo.task WHERE status = 'dead'),
                 (SELECT count(*) FROM confluo.stage_group WHERE fired_at IS NOT NULL)",
-        )
-        .fetch_one(pool)
-        .await?;
+    )
+    .fetch_one(pool)
+    .await?;
     let faults: Vec<(String, i64)> = sqlx::query_as(
         "SELECT kind, count(*) FROM confluo_stress.fault GROUP BY kind ORDER BY kind",
     )
@@ -365,7 +401,7 @@ async fn summary(
     line(
         "executions",
         format!(
-            "{} ({completed} completed, {failed} failed)",
+            "{} ({completed} completed, {failed} failed, {cancelled} cancelled, {timed_out} timed out)",
             args.executions
         ),
     );
@@ -382,6 +418,11 @@ async fn summary(
     for (kind, n) in faults {
         line(&format!("  {kind}"), n.to_string());
     }
+    line(
+        "  executions cancelled",
+        seen.cancelled.load(Ordering::Relaxed).to_string(),
+    );
+    line("  deadlines set", deadlines.to_string());
     line(
         "  connection killed",
         seen.killed_connections.load(Ordering::Relaxed).to_string(),
