@@ -159,6 +159,10 @@ async fn show(engine: Engine, args: ShowArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn reprocess(engine: Engine, args: ReprocessArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.all || (args.filter.workflow.is_none() && args.filter.execution.is_none()),
+        "--workflow and --execution choose dead letters for --all; with task ids, leave them out"
+    );
     let tasks: Vec<TaskId> = if args.all {
         engine
             .dead_letters(&args.filter.to_filter())

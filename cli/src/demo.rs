@@ -71,7 +71,11 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
     engine.migrate().await?;
     match engine.register(&workflow(args.strategy)).await {
         // A `confluo worker` registered it first, with its default strategy.
-        Err(confluo::Error::DefinitionConflict { .. }) if args.workers == 0 => {}
+        Err(confluo::Error::DefinitionConflict { .. }) if args.workers == 0 => {
+            eprintln!(
+                "the workflow is registered already (by a worker): its fan-in strategy applies"
+            );
+        }
         other => other?,
     }
     println!(

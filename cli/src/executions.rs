@@ -8,9 +8,9 @@ use confluo::{Engine, Execution, ExecutionId, ExecutionStatus, ListFilter};
 pub struct InspectArgs {
     /// The execution's id.
     id: uuid::Uuid,
-    /// Also list up to this many members per stage (those not completed first), with
-    /// their status, attempts, duration and last error.
-    #[arg(long, num_args = 0..=1, default_missing_value = "10")]
+    /// Also list members per stage (those not completed first), with their status,
+    /// attempts, duration and last error: 10 per stage, or `--members=N`.
+    #[arg(long, num_args = 0..=1, default_missing_value = "10", require_equals = true)]
     members: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]

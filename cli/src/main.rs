@@ -93,31 +93,57 @@ fn main() -> std::process::ExitCode {
     );
     let filter = match std::env::var("RUST_LOG") {
         Ok(directives) if !directives.trim().is_empty() => directives,
-        _ => if quiet { "error" } else { "warn" }.to_owned(),
+        // sqlx warns of slow statements with their whole text: entering a 100 000-wide
+        // stage is one such statement, by design.
+        _ => if quiet { "error" } else { "warn,sqlx=error" }.to_owned(),
     };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
         .init();
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
-    // On Ctrl-C the command's future is dropped, which stops and removes a throwaway
-    // server (the terminal's SIGINT has already asked it to shut down). A worker handles
-    // Ctrl-C itself, to shut down gracefully.
-    let graceful = matches!(cli.command, Command::Worker(_));
+    // On Ctrl-C, SIGTERM or SIGHUP the command's future is dropped, which stops and
+    // removes a throwaway server. The handlers are installed before the command starts
+    // (biased: polled first). A worker handles its signals itself, to shut down gracefully.
+    let graceful = matches!(cli.command, Command::Worker(_) | Command::StressWorker(_));
     let interruptible = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (mut term, mut hangup) = (
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::hangup())?,
+        );
         tokio::select! {
+            biased;
+            _ = tokio::signal::ctrl_c(), if !graceful => Err(Interrupted.into()),
+            _ = term.recv(), if !graceful => Err(Interrupted.into()),
+            _ = hangup.recv(), if !graceful => Err(Interrupted.into()),
             result = run(cli) => result,
-            _ = tokio::signal::ctrl_c(), if !graceful => Err(anyhow::anyhow!("interrupted")),
         }
     };
     match runtime.block_on(interruptible) {
         Ok(code) => code,
+        Err(error) if error.is::<Interrupted>() => {
+            eprintln!("interrupted");
+            std::process::ExitCode::from(130)
+        }
         Err(error) => {
             eprintln!("error: {error:#}");
             std::process::ExitCode::from(2)
         }
     }
 }
+
+/// A signal asked the command to stop.
+#[derive(Debug)]
+struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted")
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
     // These bring a throwaway server when none is configured or reachable.

@@ -35,6 +35,15 @@ impl Server {
         let why = match configured {
             None => "no database configured (--database-url, DATABASE_URL)".to_owned(),
             Some(options) => match reachable(options).await {
+                // The server answered and refused (authentication, missing database):
+                // a throwaway server would only hide the mistake.
+                Err(error) if answered(&error) => {
+                    return Err(error.context(format!(
+                        "PostgreSQL at {}:{} refused the connection",
+                        options.get_host(),
+                        options.get_port()
+                    )))
+                }
                 Ok(()) => {
                     eprintln!(
                         "using PostgreSQL at {}:{}",
@@ -114,6 +123,15 @@ impl Server {
     }
 }
 
+/// Whether a connection error came from a server that answered (rather than from no
+/// server at all: refused, unreachable, timed out).
+fn answered(error: &anyhow::Error) -> bool {
+    matches!(
+        error.downcast_ref::<sqlx::Error>(),
+        Some(sqlx::Error::Database(_) | sqlx::Error::Tls(_) | sqlx::Error::Configuration(_))
+    )
+}
+
 async fn reachable(options: &PgConnectOptions) -> anyhow::Result<()> {
     let conn = tokio::time::timeout(Duration::from_secs(5), options.connect())
         .await
@@ -128,27 +146,33 @@ pub struct LocalPostgres {
     port: u16,
     dir: tempfile::TempDir,
     child: Child,
-    as_postgres: bool,
+    /// The postgres user's (uid, gid) when we are root: the server runs as it.
+    user: Option<(u32, u32)>,
 }
 
 impl LocalPostgres {
     /// Initializes a cluster in a fresh temporary directory and starts it on a free port.
     pub async fn start() -> anyhow::Result<LocalPostgres> {
         let bin = server_binaries().context("no PostgreSQL server binaries (initdb, postgres)")?;
-        let as_postgres = is_root();
-        if as_postgres && Command::new("runuser").arg("--help").output().is_err() {
-            bail!("running as root, and `runuser` (to run the server as postgres) is missing");
-        }
+        // PostgreSQL refuses to run as root: then it runs as the postgres user.
+        let user = if is_root() {
+            Some(
+                postgres_user()
+                    .context("running as root, and no `postgres` user to run the server as")?,
+            )
+        } else {
+            None
+        };
         let dir = tempfile::Builder::new()
             .prefix("confluo-pg-")
             .tempdir()
             .context("creating a temporary directory")?;
-        if as_postgres {
-            run(Command::new("chown").args(["postgres:", &path(dir.path())]))
+        if let Some((uid, gid)) = user {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
                 .context("giving the data directory to the postgres user")?;
         }
         let data = dir.path().join("data");
-        let mut initdb = command(as_postgres, &bin.join("initdb"));
+        let mut initdb = command(user, &bin.join("initdb"));
         initdb.args([
             "-D",
             &path(&data),
@@ -163,7 +187,7 @@ impl LocalPostgres {
         run(&mut initdb).context("initdb failed")?;
         let port = free_port()?;
         let log = std::fs::File::create(dir.path().join("server.log"))?;
-        let mut postgres = command(as_postgres, &bin.join("postgres"));
+        let mut postgres = command(user, &bin.join("postgres"));
         postgres
             .args([
                 "-D",
@@ -188,23 +212,29 @@ impl LocalPostgres {
             port,
             dir,
             child,
-            as_postgres,
+            user,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if reachable(&local.options()).await.is_ok() {
-                return Ok(local);
-            }
+            // Our own server first, through its socket: another server may have taken the
+            // port in the meantime, and then ours has exited.
             if let Some(status) = local.child.try_wait()? {
                 let log = std::fs::read_to_string(local.dir.path().join("server.log"))
                     .unwrap_or_default();
                 bail!("postgres exited ({status}):\n{log}");
+            }
+            if reachable(&local.socket_options()).await.is_ok() {
+                return Ok(local);
             }
             if Instant::now() > deadline {
                 bail!("postgres did not accept connections within 30 s");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    fn socket_options(&self) -> PgConnectOptions {
+        self.options().socket(self.dir.path())
     }
 
     fn options(&self) -> PgConnectOptions {
@@ -220,7 +250,7 @@ impl Drop for LocalPostgres {
     fn drop(&mut self) {
         // A fast shutdown through pg_ctl works whoever the server runs as.
         let data = self.dir.path().join("data");
-        let mut stop = command(self.as_postgres, &self.bin.join("pg_ctl"));
+        let mut stop = command(self.user, &self.bin.join("pg_ctl"));
         stop.args(["stop", "-D", &path(&data), "-m", "fast", "-w"])
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -232,15 +262,29 @@ impl Drop for LocalPostgres {
     }
 }
 
-/// `program`, run as the postgres user when we are root.
-fn command(as_postgres: bool, program: &Path) -> Command {
-    if as_postgres {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
+/// `program`, run as `user` (uid, gid) when given. The child is the program itself, so
+/// killing it kills the server.
+fn command(user: Option<(u32, u32)>, program: &Path) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut c = Command::new(program);
+    if let Some((uid, gid)) = user {
+        c.uid(uid).gid(gid).env("HOME", "/tmp");
     }
+    c
+}
+
+/// The postgres user's uid and gid, from `id`.
+fn postgres_user() -> anyhow::Result<(u32, u32)> {
+    let id = |flag: &str| -> anyhow::Result<u32> {
+        let out = Command::new("id").args([flag, "postgres"]).output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+    };
+    Ok((id("-u")?, id("-g")?))
 }
 
 fn run(command: &mut Command) -> anyhow::Result<()> {
@@ -344,8 +388,12 @@ async fn create_database(
     fresh: bool,
 ) -> anyhow::Result<PgConnectOptions> {
     anyhow::ensure!(
-        !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
-        "a database name must be letters, digits and underscores"
+        name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+        "{name:?}: a database name here must be lowercase letters, digits and underscores, \
+         not starting with a digit"
     );
     // From the maintenance database: the URL's own may be the one dropped.
     let mut conn = admin

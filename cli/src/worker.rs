@@ -15,8 +15,8 @@ pub struct Args {
     #[arg(long)]
     metrics: Option<SocketAddr>,
     /// Worker loops in this process, each with a pool of its own.
-    #[arg(long, default_value_t = 1)]
-    workers: usize,
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    workers: u16,
     /// Every N-th item of the demo map fails for good (0: none).
     #[arg(long, default_value_t = 1_000)]
     fail_every: u64,
@@ -37,6 +37,10 @@ pub fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
 }
 
 pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode> {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Installed first, so that a signal during start-up is not fatal.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
     let options = match &args.database {
         Some(name) => options.database(name),
         None => options,
@@ -60,7 +64,7 @@ pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCo
         Err(e) => return Err(e.into()),
     }
     let mut workers = Vec::new();
-    for i in 0..args.workers.max(1) {
+    for i in 0..args.workers {
         let id = format!("confluo-worker-{}-{i}", std::process::id());
         workers.push(crate::demo::start_worker(&options, &id, args.fail_every).await?);
     }
@@ -69,14 +73,24 @@ pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCo
         workers.len(),
         crate::demo::WORKFLOW
     );
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
+        _ = interrupt.recv() => {}
         _ = term.recv() => {}
     }
+    eprintln!("stopping: finishing what runs (a second signal exits at once)");
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = term.recv() => {}
+        }
+        std::process::exit(130);
+    });
+    // All at once: each stops claiming, then waits out its grace period.
+    let mut stopping = tokio::task::JoinSet::new();
     for worker in workers {
-        worker.shutdown().await;
+        stopping.spawn(worker.shutdown());
     }
+    while stopping.join_next().await.is_some() {}
     eprintln!("stopped");
     Ok(ExitCode::SUCCESS)
 }

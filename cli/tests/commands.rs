@@ -226,10 +226,7 @@ async fn dead_letters_list_show_and_reprocess() {
             && out.contains("card declined"),
         "{out}"
     );
-    let members = confluo(
-        &url,
-        &["inspect", &id.to_string(), "--members", "5", "--json"],
-    );
+    let members = confluo(&url, &["inspect", &id.to_string(), "--members=5", "--json"]);
     let value: serde_json::Value = serde_json::from_slice(&members.stdout).expect("JSON");
     assert_eq!(value["members"][0][0]["status"], "dead");
     assert_eq!(value["stages"][0]["attempts"], 1);
@@ -313,6 +310,12 @@ fn demo_runs_on_the_configured_server_or_a_throwaway_one() {
         .output()
         .unwrap();
     let out = text(&throwaway);
+    // Where the server binaries are installed, the throwaway server must work.
+    let binaries = std::path::Path::new("/usr/lib/postgresql").exists();
+    assert!(
+        throwaway.status.success() || !binaries,
+        "PostgreSQL's binaries are installed, yet: {out}"
+    );
     if throwaway.status.success() {
         assert!(out.contains("started a throwaway PostgreSQL"), "{out}");
         assert!(out.contains("dispatched: exactly once"), "{out}");
@@ -427,7 +430,15 @@ async fn a_worker_process_serves_prometheus_metrics_and_stops_gracefully() {
     let done = engine.wait(id, Duration::from_secs(60)).await.unwrap();
     assert_eq!(done.status, confluo::ExecutionStatus::Completed);
 
-    let metrics = http_get(&addr, "/metrics").expect("the metrics endpoint answers");
+    // Counters move right after each commit: poll until the last ones show.
+    let mut metrics = String::new();
+    for _ in 0..100 {
+        metrics = http_get(&addr, "/metrics").expect("the metrics endpoint answers");
+        if metrics.contains("confluo_groups_fired_total 3") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     for expected in [
         "confluo_tasks_total{outcome=\"completed\"}",
         "confluo_tasks_total{outcome=\"dead_lettered\"} 4",

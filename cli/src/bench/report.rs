@@ -51,6 +51,15 @@ impl Report {
             .sum()
     }
 
+    /// Stalls and double fires of the naive strategy (expected).
+    pub fn naive_violations(&self) -> usize {
+        self.results
+            .iter()
+            .filter(|r| r.mode.to_string() == "naive")
+            .map(|r| r.stalls + r.double_fires)
+            .sum()
+    }
+
     pub fn table(&self) -> String {
         let mut out = String::new();
         let _ =

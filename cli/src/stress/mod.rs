@@ -266,16 +266,19 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
     for i in 0..args.executions {
         // Deterministic per seed: the same executions get the same deadlines.
         let draw = |salt: u64| {
-            let x = (args.seed ^ salt)
-                .wrapping_add(i as u64)
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            // splitmix64 of (seed, salt, i): independent uniform draws in [0, 1).
+            let mut x = args
+                .seed
+                .wrapping_add(salt.wrapping_mul(0xD1B5_4A32_D192_ED03))
+                .wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            x ^= x >> 31;
             (x >> 11) as f64 / (1u64 << 53) as f64
         };
         let mut options = confluo::StartOptions::new();
-        if draw(0xD1) < args.deadline_rate {
-            options = options.deadline(Duration::from_millis(
-                1_000 + (draw(0xD2) * 19_000.0) as u64,
-            ));
+        if draw(1) < args.deadline_rate {
+            options = options.deadline(Duration::from_millis(1_000 + (draw(2) * 19_000.0) as u64));
         }
         ids.push(
             engine
