@@ -37,6 +37,9 @@ pub struct ListArgs {
 pub struct CancelArgs {
     /// The execution's id.
     id: uuid::Uuid,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 pub async fn inspect(engine: Engine, args: InspectArgs) -> anyhow::Result<ExitCode> {
@@ -182,14 +185,21 @@ pub async fn list(engine: Engine, args: ListArgs) -> anyhow::Result<ExitCode> {
 
 pub async fn cancel(engine: Engine, args: CancelArgs) -> anyhow::Result<ExitCode> {
     let id = ExecutionId::from(args.id);
-    if engine.cancel(id).await? {
+    let cancelled = engine.cancel(id).await?;
+    let status = engine.status(id).await?;
+    if args.json {
+        let out = serde_json::json!({"id": id, "cancelled": cancelled, "status": status});
+        println!("{out}");
+    } else if cancelled {
         println!("cancelled {id}: its pending tasks will not run, nothing more is dispatched");
-        Ok(ExitCode::SUCCESS)
     } else {
-        let status = engine.status(id).await?;
         println!("{id} is {status}: nothing to cancel");
-        Ok(ExitCode::from(1))
     }
+    Ok(if cancelled {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 #[derive(clap::Args)]
@@ -200,6 +210,9 @@ pub struct PurgeArgs {
     /// Executions deleted per statement.
     #[arg(long, default_value_t = 1_000)]
     batch: usize,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// `30d`, `12h`, `45m` or `90s`.
@@ -220,6 +233,13 @@ pub fn parse_age(s: &str) -> Result<chrono::Duration, String> {
 pub async fn purge(engine: Engine, args: PurgeArgs) -> anyhow::Result<ExitCode> {
     let cutoff = chrono::Utc::now() - args.older_than;
     let deleted = engine.purge(cutoff, args.batch).await?;
-    println!("deleted {deleted} terminal executions that finished before {cutoff}");
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"deleted": deleted, "cutoff": cutoff})
+        );
+    } else {
+        println!("deleted {deleted} terminal executions that finished before {cutoff}");
+    }
     Ok(ExitCode::SUCCESS)
 }

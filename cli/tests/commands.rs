@@ -109,6 +109,12 @@ async fn list_inspect_cancel_and_doctor() {
     let again = confluo(&url, &["cancel", &first.to_string()]);
     assert_eq!(again.status.code(), Some(1), "{}", text(&again));
     assert!(text(&again).contains("is cancelled"), "{}", text(&again));
+    let again = confluo(&url, &["cancel", &first.to_string(), "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&again.stdout).expect("JSON");
+    assert_eq!(
+        (value["cancelled"].clone(), value["status"].clone()),
+        (false.into(), "cancelled".into())
+    );
 
     let only_running = confluo(&url, &["list", "--status", "running", "--json"]);
     let value: serde_json::Value = serde_json::from_slice(&only_running.stdout).expect("JSON");
@@ -125,8 +131,12 @@ async fn list_inspect_cancel_and_doctor() {
     .execute(engine.pool())
     .await
     .unwrap();
-    let purged = confluo(&url, &["purge", "--older-than", "1d", "--batch", "1"]);
-    assert!(text(&purged).contains("deleted 1 "), "{}", text(&purged));
+    let purged = confluo(
+        &url,
+        &["purge", "--older-than", "1d", "--batch", "1", "--json"],
+    );
+    let value: serde_json::Value = serde_json::from_slice(&purged.stdout).expect("JSON");
+    assert_eq!(value["deleted"], 1, "{}", text(&purged));
     let left = confluo(&url, &["list", "--json"]);
     let value: serde_json::Value = serde_json::from_slice(&left.stdout).expect("JSON");
     assert_eq!(
