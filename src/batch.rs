@@ -9,10 +9,10 @@ use sqlx::types::Json;
 
 use crate::dispatch;
 use crate::engine::Engine;
-use crate::error::Result;
+use crate::error::{retry_conflicts, Result};
 use crate::fanin::{self, FanInStrategy};
 use crate::ids::{GroupId, LeaseToken, TaskId};
-use crate::queue::{ClaimedTask, Outcome, CONFLICT_RETRIES};
+use crate::queue::{ClaimedTask, Outcome};
 use crate::store::completions;
 
 impl Engine {
@@ -39,21 +39,11 @@ impl Engine {
             self.check_output(task, output).await?;
         }
         let started = std::time::Instant::now();
-        let mut conflicts = 0;
-        loop {
-            match self.complete_batch_once(items).await {
-                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
-                    conflicts += 1
-                }
-                Ok(outcomes) => {
-                    for outcome in &outcomes {
-                        crate::metrics::acknowledged(outcome, started);
-                    }
-                    return Ok(outcomes);
-                }
-                other => return other,
-            }
+        let outcomes = retry_conflicts(|| self.complete_batch_once(items)).await?;
+        for outcome in &outcomes {
+            crate::metrics::acknowledged(outcome, started);
         }
+        Ok(outcomes)
     }
 
     async fn complete_batch_once(&self, items: &[(&ClaimedTask, Value)]) -> Result<Vec<Outcome>> {

@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::engine::Engine;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, CONFLICT_RETRIES};
 use crate::execution::{AttemptError, ExecutionStatus};
 use crate::ids::{ExecutionId, TaskId};
 use crate::store::dead_letters::{self, DeadLetterRow};
@@ -230,7 +230,9 @@ impl Engine {
         let mut conflicts = 0;
         loop {
             match self.reprocess_once(task).await {
-                Err(e) if e.is_retryable_conflict() && conflicts < 5 => conflicts += 1,
+                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1
+                }
                 // The execution changed status between the first read and its lock: look
                 // again (a status only changes a few times in an execution's life).
                 Ok(None) => {}

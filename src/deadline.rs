@@ -1,7 +1,7 @@
 //! Execution deadlines: moving executions whose deadline passed to `timed_out`.
 
 use crate::engine::Engine;
-use crate::error::Result;
+use crate::error::{Result, CONFLICT_RETRIES};
 use crate::ids::ExecutionId;
 use crate::store::executions;
 
@@ -42,7 +42,9 @@ impl Engine {
                     timed_out.push(id);
                 }
                 Ok(None) => break,
-                Err(e) if e.is_retryable_conflict() && conflicts < 5 => conflicts += 1,
+                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1
+                }
                 Err(e) => return Err(e),
             }
         }

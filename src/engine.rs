@@ -11,7 +11,7 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::definition::{StageKind, Workflow};
 use crate::dispatch;
-use crate::error::{Error, Result};
+use crate::error::{retry_conflicts, Error, Result};
 use crate::execution::{AttemptError, DeadLetter, Execution, ExecutionStatus, StageProgress};
 use crate::fanin::FanInStrategy;
 use crate::ids::ExecutionId;
@@ -388,24 +388,18 @@ impl Engine {
     /// # Errors
     /// [`Error::ExecutionNotFound`]; [`Error::Database`].
     pub async fn cancel(&self, id: ExecutionId) -> Result<bool> {
-        let mut attempts = 0;
-        loop {
-            let result = async {
-                let mut tx = self.inner.pool.begin().await?;
-                let stopped = executions::stop(&mut tx, id, "cancelled", None).await?;
-                tx.commit().await?;
-                Ok::<_, Error>(stopped)
-            }
-            .await;
-            match result {
-                Err(e) if e.is_retryable_conflict() && attempts < 5 => attempts += 1,
-                Ok(false) => {
-                    self.status(id).await?;
-                    return Ok(false);
-                }
-                other => return other,
-            }
+        let stopped = retry_conflicts(|| async {
+            let mut tx = self.inner.pool.begin().await?;
+            let stopped = executions::stop(&mut tx, id, "cancelled", None).await?;
+            tx.commit().await?;
+            Ok(stopped)
+        })
+        .await?;
+        if !stopped {
+            // Not running: tell a finished execution from one that does not exist.
+            self.status(id).await?;
         }
+        Ok(stopped)
     }
 
     /// A builder for a worker that runs this engine's tasks.

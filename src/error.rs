@@ -164,5 +164,26 @@ impl Error {
     }
 }
 
+/// How many times a transaction that lost a deadlock (or a serialization race) is
+/// repeated.
+pub(crate) const CONFLICT_RETRIES: u32 = 5;
+
+/// Runs `attempt` again while it loses a deadlock or serialization race, at most
+/// [`CONFLICT_RETRIES`] more times. Each attempt must be one whole transaction (rolled
+/// back as a whole when it lost), so repeating it is safe.
+pub(crate) async fn retry_conflicts<T, F, Fut>(mut attempt: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut conflicts = 0;
+    loop {
+        match attempt().await {
+            Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => conflicts += 1,
+            other => return other,
+        }
+    }
+}
+
 /// `Result` with confluo's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

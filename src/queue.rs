@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::definition::StageKind;
 use crate::dispatch;
 use crate::engine::Engine;
-use crate::error::{Error, Result};
+use crate::error::{retry_conflicts, Error, Result};
 use crate::execution::ExecutionStatus;
 use crate::fanin::{self, FanInStrategy, Member};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
@@ -85,9 +85,6 @@ pub enum Outcome {
     /// another attempt now runs): nothing changed.
     LeaseLost,
 }
-
-/// How many times a transaction that lost a deadlock is repeated.
-pub(crate) const CONFLICT_RETRIES: u32 = 5;
 
 impl Engine {
     /// Claims up to `limit` due tasks of any workflow for `lease`.
@@ -202,19 +199,9 @@ impl Engine {
     pub async fn complete(&self, task: &ClaimedTask, output: Value) -> Result<Outcome> {
         self.check_output(task, &output).await?;
         let started = Instant::now();
-        let mut conflicts = 0;
-        loop {
-            match self.complete_once(task, &output).await {
-                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
-                    conflicts += 1
-                }
-                Ok(outcome) => {
-                    metrics::acknowledged(&outcome, started);
-                    return Ok(outcome);
-                }
-                other => return other,
-            }
-        }
+        let outcome = retry_conflicts(|| self.complete_once(task, &output)).await?;
+        metrics::acknowledged(&outcome, started);
+        Ok(outcome)
     }
 
     /// Refuses an output that cannot feed the next stage: a step before a map must return
@@ -316,22 +303,10 @@ impl Engine {
         only_if_expired: bool,
     ) -> Result<Outcome> {
         let started = Instant::now();
-        let mut conflicts = 0;
-        loop {
-            match self
-                .fail_once(attempt, error, permanent, only_if_expired)
-                .await
-            {
-                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
-                    conflicts += 1
-                }
-                Ok(outcome) => {
-                    metrics::acknowledged(&outcome, started);
-                    return Ok(outcome);
-                }
-                other => return other,
-            }
-        }
+        let outcome =
+            retry_conflicts(|| self.fail_once(attempt, error, permanent, only_if_expired)).await?;
+        metrics::acknowledged(&outcome, started);
+        Ok(outcome)
     }
 
     async fn fail_once(
@@ -414,15 +389,7 @@ impl Engine {
     /// Cancels a claimed task whose execution has stopped; it counts towards its group.
     /// Gives it back instead if the execution is running again (resumed).
     pub(crate) async fn cancel_claimed(&self, task: &ClaimedTask) -> Result<bool> {
-        let mut conflicts = 0;
-        loop {
-            match self.cancel_claimed_once(task).await {
-                Err(e) if e.is_retryable_conflict() && conflicts < CONFLICT_RETRIES => {
-                    conflicts += 1
-                }
-                other => return other,
-            }
-        }
+        retry_conflicts(|| self.cancel_claimed_once(task)).await
     }
 
     async fn cancel_claimed_once(&self, task: &ClaimedTask) -> Result<bool> {

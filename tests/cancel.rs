@@ -14,11 +14,7 @@ use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancel_racing_the_last_completions_fires_at_most_once_and_dispatches_nothing_after() {
-    for strategy in [
-        FanInStrategy::Countdown,
-        FanInStrategy::Striped,
-        FanInStrategy::RowLock,
-    ] {
+    for strategy in STRATEGIES {
         let db = TestDb::new(12).await;
         let name = format!("race-{strategy}");
         db.register(

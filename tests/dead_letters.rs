@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::TestDb;
+use common::{TestDb, STRATEGIES};
 use confluo::{
     ClaimedTask, DeadLetterFilter, Engine, Error, ExecutionStatus, FanInStrategy, MapResults,
     Outcome, RetryPolicy, Stage, Workflow,
@@ -42,11 +42,7 @@ async fn groups_at(db: &TestDb, id: confluo::ExecutionId, stage: i32) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reprocessing_racing_the_groups_last_completion_dispatches_the_next_stage_once() {
-    for strategy in [
-        FanInStrategy::Countdown,
-        FanInStrategy::Striped,
-        FanInStrategy::RowLock,
-    ] {
+    for strategy in STRATEGIES {
         let db = TestDb::new(12).await;
         let name = format!("reprocess-{strategy}");
         db.register(

@@ -8,19 +8,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestDb;
-use confluo::{
-    Engine, ExecutionStatus, FanInStrategy, Outcome, Stage, StartOptions, TaskError, Workflow,
-};
+use common::{TestDb, STRATEGIES};
+use confluo::{Engine, ExecutionStatus, Outcome, Stage, StartOptions, TaskError, Workflow};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn timing_out_racing_the_last_completions_fires_at_most_once_and_dispatches_nothing_after() {
-    for strategy in [
-        FanInStrategy::Countdown,
-        FanInStrategy::Striped,
-        FanInStrategy::RowLock,
-    ] {
+    for strategy in STRATEGIES {
         let db = TestDb::new(12).await;
         let name = format!("deadline-{strategy}");
         db.register(
