@@ -7,11 +7,12 @@ use std::collections::{HashMap, HashSet};
 use serde_json::Value;
 use sqlx::types::Json;
 
+use crate::definition::StageKind;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{retry_conflicts, Result};
 use crate::fanin::{self, FanInStrategy};
-use crate::ids::{GroupId, LeaseToken, TaskId};
+use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::queue::{ClaimedTask, Outcome};
 use crate::store::completions;
 
@@ -55,9 +56,14 @@ impl Engine {
         // Most batches hold no group's last arrival: one statement, no transaction. Only
         // counting strategies can tell without a transaction (the statement refuses the
         // others too; skipping it spares re-counting batches a round trip).
-        let counting = items
-            .iter()
-            .all(|(t, _)| matches!(t.fan_in, FanInStrategy::Countdown | FanInStrategy::Striped));
+        // A step's one member is always its group's last: a batch holding one goes
+        // straight to the transaction.
+        let counting = items.iter().all(|(t, _)| {
+            matches!(t.fan_in, FanInStrategy::Countdown | FanInStrategy::Striped)
+                && self
+                    .cached_definition(&t.workflow, t.workflow_version)
+                    .is_some_and(|w| !matches!(w.stages()[t.stage_index].kind(), StageKind::Step))
+        });
         if counting
             && completions::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await?
         {
@@ -65,13 +71,19 @@ impl Engine {
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let done = completions::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
-        let mut fired_groups = HashSet::new();
-        for group in fanin::last_arrivals(&mut tx, &done).await? {
-            let m = done.iter().find(|m| m.group_id == group).expect("a member");
-            if dispatch::fire(self, &mut tx, m.execution_id, group, m.stage_index).await? {
-                fired_groups.insert(group);
-            }
-        }
+        let last: Vec<(ExecutionId, GroupId, i32)> = fanin::last_arrivals(&mut tx, &done)
+            .await?
+            .into_iter()
+            .map(|group| {
+                let m = done.iter().find(|m| m.group_id == group).expect("a member");
+                (m.execution_id, group, m.stage_index)
+            })
+            .collect();
+        let fired_groups = if last.is_empty() {
+            HashSet::new()
+        } else {
+            dispatch::fire_many(self, &mut tx, &last).await?
+        };
         tx.commit().await?;
         drop(conn); // explaining a no-match may need the pool's only connection
 

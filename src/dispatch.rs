@@ -1,6 +1,8 @@
 //! Stage transitions: entering a stage (creating its group and members) and firing a
 //! group whose countdown reached zero. Always inside the caller's transaction.
 
+use std::collections::{HashMap, HashSet};
+
 use sqlx::PgConnection;
 
 use crate::definition::{StageKind, Workflow};
@@ -21,6 +23,50 @@ pub(crate) async fn fire(
     stage_index: i32,
 ) -> Result<bool> {
     transition(engine, conn, execution_id, group_id, stage_index, false).await
+}
+
+/// [`fire`] for many groups that reached zero in one transaction (a batch of
+/// acknowledgements), with one statement to lock their executions and set their fired
+/// markers, and one to complete the executions whose last stage they were. Each entry is
+/// `(execution, group, stage_index)`. Returns the groups it fired.
+pub(crate) async fn fire_many(
+    engine: &Engine,
+    conn: &mut PgConnection,
+    arrivals: &[(ExecutionId, GroupId, i32)],
+) -> Result<HashSet<GroupId>> {
+    let executions: Vec<ExecutionId> = arrivals.iter().map(|a| a.0).collect();
+    let groups: Vec<GroupId> = arrivals.iter().map(|a| a.1).collect();
+    let stage_of: HashMap<GroupId, i32> = arrivals.iter().map(|a| (a.1, a.2)).collect();
+    let rows = executions::lock_and_mark_fired_many(conn, &executions, &groups).await?;
+    let mut fired = HashSet::new();
+    let (mut completed, mut stages, mut outputs) = (Vec::new(), Vec::new(), Vec::new());
+    for row in rows.into_iter().filter(|r| r.fired) {
+        fired.insert(row.group_id);
+        let workflow = engine
+            .definition(&mut *conn, &row.workflow_name, row.workflow_version)
+            .await?;
+        let index = stage_of[&row.group_id] as usize;
+        if index + 1 == workflow.stages().len() {
+            completed.push(row.execution_id);
+            stages.push(index as i32 + 1);
+            outputs.push(row.group_id);
+            continue;
+        }
+        let kind = workflow.stages()[index].kind().as_str();
+        enter(
+            conn,
+            row.execution_id,
+            &workflow,
+            index + 1,
+            Some((row.group_id, kind)),
+            row.fan_in.parse()?,
+        )
+        .await?;
+    }
+    if !completed.is_empty() {
+        executions::complete_many(conn, &completed, &stages, &outputs).await?;
+    }
+    Ok(fired)
 }
 
 /// Re-drives an execution whose group fired but whose next stage was never entered (an
@@ -118,4 +164,28 @@ pub(crate) async fn enter(
         previous = Some((group_id, stage.kind().as_str()));
         index += 1;
     }
+}
+
+/// Enters the first stage of many new executions of `workflow` (the caller's
+/// transaction created them): a step or parallel first stage in one statement for all of
+/// them; a map (whose members come from each input, and which may be empty and advance
+/// at once) or a striped stage per execution, through [`enter`].
+pub(crate) async fn enter_first_stage_many(
+    conn: &mut PgConnection,
+    workflow: &Workflow,
+    executions: &[ExecutionId],
+    default_fan_in: FanInStrategy,
+) -> Result<()> {
+    if executions.is_empty() {
+        return Ok(());
+    }
+    let stage = &workflow.stages()[0];
+    let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
+    if matches!(stage.kind(), StageKind::Map) || fan_in == FanInStrategy::Striped {
+        for &id in executions {
+            enter(conn, id, workflow, 0, None, default_fan_in).await?;
+        }
+        return Ok(());
+    }
+    groups::create_first_stages(conn, executions, workflow, fan_in).await
 }

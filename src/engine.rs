@@ -1,16 +1,14 @@
-//! The public entry point: connecting, migrating, registering workflows, starting,
-//! querying, waiting for and cancelling executions.
+//! The public entry point: connecting, migrating, registering workflows, querying,
+//! waiting for and cancelling executions (starting them is in [`crate::start`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool};
 
-use crate::definition::{StageKind, Workflow};
-use crate::dispatch;
+use crate::definition::Workflow;
 use crate::error::{retry_conflicts, Error, Result};
 use crate::execution::{AttemptError, DeadLetter, Execution, ExecutionStatus, StageProgress};
 use crate::fanin::FanInStrategy;
@@ -45,52 +43,11 @@ struct Inner {
     definitions: RwLock<HashMap<(String, i32), Arc<Workflow>>>,
 }
 
-/// A century: deadlines further out are capped, so that the timestamp stays in range.
-const MAX_DEADLINE_MS: i64 = 100 * 365 * 24 * 3600 * 1000;
-
-/// Options of [`Engine::start_with`].
-#[derive(Clone, Debug, Default)]
-pub struct StartOptions {
-    version: Option<i32>,
-    idempotency_key: Option<String>,
-    deadline: Option<Duration>,
-}
-
-impl StartOptions {
-    /// Default options: the latest registered version, no idempotency key.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Runs this version instead of the latest registered one.
-    pub fn version(mut self, version: i32) -> Self {
-        self.version = Some(version);
-        self
-    }
-
-    /// Starting twice with the same key (per workflow name) returns the first execution's
-    /// id and starts nothing, also when the two calls race.
-    pub fn idempotency_key(mut self, key: impl Into<String>) -> Self {
-        self.idempotency_key = Some(key.into());
-        self
-    }
-
-    /// Gives the execution this long to finish, counted from its start. Once the deadline
-    /// passes, a worker's housekeeping pass (every half lease, at most 5 s apart) moves it
-    /// to [`ExecutionStatus::TimedOut`](crate::ExecutionStatus::TimedOut) and cancels its
-    /// pending tasks in the same transaction; running handlers see their
-    /// [`cancellation`](crate::TaskContext::cancellation) at their next lease renewal, and
-    /// what they return dispatches nothing.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let options = confluo::StartOptions::new().deadline(Duration::from_secs(15 * 60));
-    /// # let _ = options;
-    /// ```
-    pub fn deadline(mut self, deadline: Duration) -> Self {
-        self.deadline = Some(deadline);
-        self
-    }
+/// The options of the pools that [`Engine::connect`] and [`Engine::connect_env`] open.
+fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(10)
+        .test_before_acquire(false)
 }
 
 /// Builds an [`Engine`] with non-default options.
@@ -139,13 +96,16 @@ impl Engine {
 
     /// Connects a pool of up to 10 connections to `url`.
     ///
+    /// The pool does not ping a connection each time it hands it out (sqlx's default): a
+    /// connection that died is found out by the statement that uses it, and every confluo
+    /// write is safe to repeat. Building your own pool for [`Engine::new`], consider
+    /// `PgPoolOptions::test_before_acquire(false)` too: the ping is a round trip per
+    /// acquire.
+    ///
     /// # Errors
     /// [`Error::Database`] if the URL is invalid or the server unreachable.
     pub async fn connect(url: &str) -> Result<Self> {
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .connect(url)
-            .await?;
+        let pool = pool_options().connect(url).await?;
         Ok(Self::new(pool))
     }
 
@@ -162,10 +122,7 @@ impl Engine {
         if !std::env::vars().any(|(k, _)| k.starts_with("PG")) {
             return Err(Error::NoDatabaseConfigured);
         }
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .connect_with(PgConnectOptions::new())
-            .await?;
+        let pool = pool_options().connect_with(PgConnectOptions::new()).await?;
         Ok(Self::new(pool))
     }
 
@@ -199,86 +156,6 @@ impl Engine {
         workflows::register(&self.inner.pool, workflow).await?;
         self.cache(workflow.clone());
         Ok(())
-    }
-
-    /// Starts the latest registered version of `workflow` with `input`.
-    ///
-    /// # Errors
-    /// [`Error::WorkflowNotFound`]; [`Error::InvalidInput`] when the first stage is a map
-    /// and the input is not an array; [`Error::Json`]; [`Error::Database`].
-    ///
-    /// # Cancel safety
-    /// The start is one transaction: dropped before it commits, nothing was started.
-    pub async fn start<I: Serialize + ?Sized>(
-        &self,
-        workflow: &str,
-        input: &I,
-    ) -> Result<ExecutionId> {
-        self.start_with(workflow, input, StartOptions::default())
-            .await
-    }
-
-    /// [`start`](Self::start) with a version or an idempotency key.
-    ///
-    /// # Errors
-    /// As [`start`](Self::start).
-    pub async fn start_with<I: Serialize + ?Sized>(
-        &self,
-        workflow: &str,
-        input: &I,
-        options: StartOptions,
-    ) -> Result<ExecutionId> {
-        let mut tx = self.inner.pool.begin().await?;
-        let id = self.start_using(&mut tx, workflow, input, options).await?;
-        tx.commit().await?;
-        Ok(id)
-    }
-
-    /// Starts an execution inside the caller's transaction, so that it exists if and only
-    /// if the caller's own writes commit.
-    ///
-    /// # Errors
-    /// As [`start`](Self::start).
-    pub async fn start_using<I: Serialize + ?Sized>(
-        &self,
-        conn: &mut PgConnection,
-        workflow: &str,
-        input: &I,
-        options: StartOptions,
-    ) -> Result<ExecutionId> {
-        let input = serde_json::to_value(input)?;
-        let definition = workflows::load(&mut *conn, workflow, options.version).await?;
-        let definition = self.cache(definition);
-        if matches!(definition.stages()[0].kind(), StageKind::Map) && !input.is_array() {
-            return Err(Error::InvalidInput {
-                workflow: workflow.to_owned(),
-                reason: format!(
-                    "the first stage {:?} is a map, so the input must be a JSON array",
-                    definition.stages()[0].name()
-                ),
-            });
-        }
-        let deadline_ms = options.deadline.map(|d| {
-            i64::try_from(d.as_millis()).map_or(MAX_DEADLINE_MS, |ms| ms.min(MAX_DEADLINE_MS))
-        });
-        let (id, created) = executions::insert(
-            conn,
-            executions::NewExecution {
-                id: ExecutionId::new(),
-                workflow_name: definition.name(),
-                workflow_version: definition.version(),
-                input: &input,
-                idempotency_key: options.idempotency_key.as_deref(),
-                fan_in: self.fan_in(),
-                deadline_ms,
-            },
-        )
-        .await?;
-        if created {
-            dispatch::enter(conn, id, &definition, 0, None, self.fan_in()).await?;
-            tracing::debug!(execution_id = %id, workflow, "execution started");
-        }
-        Ok(id)
     }
 
     /// A snapshot of an execution: status, output, per-stage progress, dead letters.

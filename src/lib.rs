@@ -68,13 +68,14 @@ mod ids;
 mod listing;
 pub mod metrics;
 mod queue;
+mod start;
 mod store;
 mod worker;
 
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
 pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
 pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs};
-pub use engine::{Engine, EngineBuilder, StartOptions};
+pub use engine::{Engine, EngineBuilder};
 pub use error::{Error, Result};
 pub use execution::{
     AttemptError, DeadLetter, Execution, ExecutionStatus, MapResults, MemberFailure,
@@ -85,6 +86,7 @@ pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 pub use listing::{ExecutionSummary, ListFilter, MemberSummary, QueueDepth};
 pub use queue::{ClaimedTask, Outcome};
+pub use start::StartOptions;
 pub use worker::{Worker, WorkerBuilder};
 
 /// The README's examples, compiled as doctests so that they cannot drift from the API.

@@ -17,6 +17,7 @@ use crate::execution::ExecutionStatus;
 use crate::fanin::{self, FanInStrategy, Member};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::metrics;
+use crate::store::tasks::HandlerKeys;
 use crate::store::{executions, groups, tasks};
 
 /// A task claimed for one attempt.
@@ -100,23 +101,18 @@ impl Engine {
         self.claim_matching(worker_id, limit, lease, None).await
     }
 
+    /// Claims up to `limit` due tasks of the given handlers (`None`: any) for `lease`.
     pub(crate) async fn claim_matching(
         &self,
         worker_id: &str,
         limit: usize,
         lease: Duration,
-        handler_keys: Option<&[String]>,
+        handlers: Option<&HandlerKeys>,
     ) -> Result<Vec<ClaimedTask>> {
         let mut conn = self.pool().acquire().await?;
         let started = Instant::now();
-        let rows = tasks::claim(
-            &mut conn,
-            worker_id,
-            limit as i64,
-            millis(lease),
-            handler_keys,
-        )
-        .await?;
+        let rows =
+            tasks::claim(&mut conn, worker_id, limit as i64, millis(lease), handlers).await?;
         metrics::claimed(started, rows.iter().map(|r| r.waited));
         rows.into_iter()
             .map(|r| {
@@ -140,6 +136,60 @@ impl Engine {
                 })
             })
             .collect()
+    }
+
+    /// The plan PostgreSQL chooses for a worker's claim statement over these `(workflow,
+    /// handler)` pairs, as `EXPLAIN` prints it: a diagnostic for a claim that seems slow.
+    /// It reads one index range per handler (`task_claim_handler_idx`) whatever the
+    /// table's statistics, so it should never show a sort of the whole backlog.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub async fn claim_plan(&self, handlers: &[(&str, &str)], limit: usize) -> Result<String> {
+        let keys = HandlerKeys {
+            workflows: handlers.iter().map(|(w, _)| (*w).to_owned()).collect(),
+            handlers: handlers.iter().map(|(_, h)| (*h).to_owned()).collect(),
+        };
+        let mut conn = self.pool().acquire().await?;
+        tasks::explain_claim(&mut conn, limit as i64, &keys).await
+    }
+
+    /// Extends the leases of attempts held in a worker's local queue, in one statement.
+    /// Returns the tasks it extended whose execution is no longer running.
+    pub(crate) async fn renew_leases(
+        &self,
+        held: &[(TaskId, LeaseToken)],
+        lease: Duration,
+    ) -> Result<Vec<TaskId>> {
+        let ids: Vec<TaskId> = held.iter().map(|(id, _)| *id).collect();
+        let tokens: Vec<LeaseToken> = held.iter().map(|(_, lease)| *lease).collect();
+        let mut conn = self.pool().acquire().await?;
+        let renewed = tasks::renew_leases(&mut conn, &ids, &tokens, millis(lease)).await?;
+        Ok(renewed
+            .into_iter()
+            .filter(|(_, status)| status != "running")
+            .map(|(id, _)| id)
+            .collect())
+    }
+
+    /// Gives claimed tasks back without counting their attempts, in one statement; a task
+    /// whose execution has stopped meanwhile is cancelled instead, and counted towards
+    /// its group (as a task of a stopped execution never runs). Returns how many went
+    /// back to the queue.
+    pub(crate) async fn release_many(&self, held: &[ClaimedTask]) -> Result<usize> {
+        if held.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<TaskId> = held.iter().map(|t| t.id).collect();
+        let tokens: Vec<LeaseToken> = held.iter().map(|t| t.lease).collect();
+        let released = {
+            let mut conn = self.pool().acquire().await?;
+            tasks::release_many(&mut conn, &ids, &tokens).await?
+        };
+        for task in held.iter().filter(|t| !released.contains(&t.id)) {
+            self.cancel_claimed(task).await?;
+        }
+        Ok(released.len())
     }
 
     /// The input of a claimed task: its map element, or the stage input read by reference

@@ -35,18 +35,18 @@ fn injected(out: &str, fault: &str) -> u64 {
 }
 
 #[test]
-fn small_stress_run_with_every_fault_keeps_every_invariant() {
+fn small_stress_run_with_every_fault_keeps_every_invariant_acknowledging_in_batches() {
     let (ok, out) = stress(
         &[
             "--executions",
-            "12",
+            "24",
             "--width",
             "150",
             "--processes",
             "2",
             "--all-faults",
             "--kill-worker-every-ms",
-            "2000",
+            "700",
             "--lease-ms",
             "1500",
             "--timeout",
@@ -69,9 +69,11 @@ fn small_stress_run_with_every_fault_keeps_every_invariant() {
 }
 
 #[test]
-fn small_in_process_stress_run_on_the_striped_countdown() {
+fn small_in_process_stress_run_on_the_striped_countdown_acknowledging_singly() {
     let (ok, out) = stress(
         &[
+            "--ack-window-ms",
+            "0",
             "--executions",
             "10",
             "--width",

@@ -5,6 +5,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{FromRow, PgConnection};
 
+use crate::definition::Workflow;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
@@ -87,6 +88,86 @@ pub(crate) async fn insert(
     Ok((existing, false))
 }
 
+/// One execution of a batch to insert ([`insert_many`]).
+#[derive(Debug)]
+pub(crate) struct NewExecutionRow<'a> {
+    pub id: ExecutionId,
+    pub input: &'a Value,
+    pub idempotency_key: Option<&'a str>,
+    /// Its deadline, this many milliseconds from now.
+    pub deadline_ms: Option<i64>,
+}
+
+/// [`insert`] for many executions of one workflow version, in one statement (plus one to
+/// find the executions of keys already taken). Returns, per item in order, its id and
+/// whether it was created: an item whose key was taken, by an earlier start or an
+/// earlier item, gets that execution's id.
+pub(crate) async fn insert_many(
+    conn: &mut PgConnection,
+    workflow: &Workflow,
+    fan_in: FanInStrategy,
+    rows: &[NewExecutionRow<'_>],
+) -> Result<Vec<(ExecutionId, bool)>> {
+    let ids: Vec<ExecutionId> = rows.iter().map(|r| r.id).collect();
+    let inputs: Vec<Json<&Value>> = rows.iter().map(|r| Json(r.input)).collect();
+    let keys: Vec<Option<&str>> = rows.iter().map(|r| r.idempotency_key).collect();
+    let deadlines: Vec<Option<i64>> = rows.iter().map(|r| r.deadline_ms).collect();
+    let inserted: Vec<ExecutionId> = sqlx::query_scalar(
+        "INSERT INTO confluo.execution
+                (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at)
+         SELECT v.id, $5, $6, v.input, v.key, $7, now() + v.deadline_ms * interval '1 millisecond'
+           FROM unnest($1::uuid[], $2::jsonb[], $3::text[], $4::int8[])
+                WITH ORDINALITY AS v(id, input, key, deadline_ms, ord)
+          -- Keys are taken in one order in every batch, so that batches sharing keys
+          -- cannot deadlock on them.
+          ORDER BY v.key, v.ord
+         ON CONFLICT (workflow_name, idempotency_key) DO NOTHING
+         RETURNING id",
+    )
+    .bind(&ids)
+    .bind(&inputs)
+    .bind(&keys)
+    .bind(&deadlines)
+    .bind(workflow.name())
+    .bind(workflow.version())
+    .bind(fan_in.as_str())
+    .fetch_all(&mut *conn)
+    .await?;
+    let inserted: std::collections::HashSet<ExecutionId> = inserted.into_iter().collect();
+    let taken: Vec<&str> = rows
+        .iter()
+        .filter(|r| !inserted.contains(&r.id))
+        .filter_map(|r| r.idempotency_key)
+        .collect();
+    // A new statement: it sees the executions of concurrent starts that committed while
+    // the insert waited on their keys, and this statement's own.
+    let existing: std::collections::HashMap<String, ExecutionId> = if taken.is_empty() {
+        Default::default()
+    } else {
+        sqlx::query_as::<_, (String, ExecutionId)>(
+            "SELECT idempotency_key, id FROM confluo.execution
+              WHERE workflow_name = $1 AND idempotency_key = ANY ($2::text[])",
+        )
+        .bind(workflow.name())
+        .bind(&taken)
+        .fetch_all(conn)
+        .await?
+        .into_iter()
+        .collect()
+    };
+    rows.iter()
+        .map(|r| {
+            if inserted.contains(&r.id) {
+                return Ok((r.id, true));
+            }
+            r.idempotency_key
+                .and_then(|key| existing.get(key))
+                .map(|id| (*id, false))
+                .ok_or(crate::error::Error::ExecutionNotFound(r.id))
+        })
+        .collect()
+}
+
 /// Locks the execution row as a stage transition does, to take locks in the order a
 /// transition would (execution before group).
 pub(crate) async fn lock_for_transition(conn: &mut PgConnection, id: ExecutionId) -> Result<()> {
@@ -131,6 +212,74 @@ pub(crate) async fn lock_and_mark_fired(
     .bind(group_id)
     .fetch_optional(conn)
     .await?)
+}
+
+/// A group whose execution [`lock_and_mark_fired_many`] locked.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct FiringGroupRow {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    pub fan_in: String,
+    /// True for the one caller that fires the group, if its execution is running.
+    pub fired: bool,
+}
+
+/// [`lock_and_mark_fired`] for many groups at once (each paired with its execution), in
+/// one statement: the executions are locked in id order, as every path that locks several
+/// takes them, after the groups this transaction counted down.
+pub(crate) async fn lock_and_mark_fired_many(
+    conn: &mut PgConnection,
+    executions: &[ExecutionId],
+    groups: &[GroupId],
+) -> Result<Vec<FiringGroupRow>> {
+    Ok(sqlx::query_as(
+        "WITH v AS (
+            SELECT * FROM unnest($1::uuid[], $2::uuid[]) AS v(execution_id, group_id)
+         ), e AS (
+            SELECT x.id, x.status, x.workflow_name, x.workflow_version, x.fan_in
+              FROM confluo.execution x
+             WHERE x.id IN (SELECT execution_id FROM v)
+             ORDER BY x.id
+               FOR NO KEY UPDATE
+         ), marked AS (
+            UPDATE confluo.stage_group g SET fired_at = now()
+              FROM v, e
+             WHERE g.id = v.group_id AND e.id = v.execution_id
+               AND e.status = 'running' AND g.fired_at IS NULL
+         RETURNING g.id
+         )
+         SELECT v.group_id, v.execution_id, e.workflow_name, e.workflow_version, e.fan_in,
+                EXISTS (SELECT 1 FROM marked m WHERE m.id = v.group_id) AS fired
+           FROM v JOIN e ON e.id = v.execution_id",
+    )
+    .bind(executions)
+    .bind(groups)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// [`complete`] for many executions at once, in one statement.
+pub(crate) async fn complete_many(
+    conn: &mut PgConnection,
+    ids: &[ExecutionId],
+    stages: &[i32],
+    output_groups: &[GroupId],
+) -> Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE confluo.execution x
+            SET status = 'completed', current_stage = v.stages, output_group = v.output_group,
+                updated_at = now(), finished_at = now()
+           FROM unnest($1::uuid[], $2::int[], $3::uuid[]) AS v(id, stages, output_group)
+          WHERE x.id = v.id AND x.status = 'running'",
+    )
+    .bind(ids)
+    .bind(stages)
+    .bind(output_groups)
+    .execute(conn)
+    .await?
+    .rows_affected())
 }
 
 /// Completes a running execution; its output is read by reference from `output_group`.

@@ -140,6 +140,60 @@ pub(crate) async fn create_stage(
     Ok(query.fetch_one(conn).await?)
 }
 
+/// Creates the first stage of many new executions at once, when its members are its
+/// handlers (a step, a parallel block) and its strategy keeps no stripes: one group per
+/// execution, one task per handler, in one statement that wakes the workers at commit.
+/// Each group holds what [`create_stage`] would have created for it.
+pub(crate) async fn create_first_stages(
+    conn: &mut PgConnection,
+    executions: &[ExecutionId],
+    workflow: &Workflow,
+    fan_in: FanInStrategy,
+) -> Result<()> {
+    debug_assert!(fan_in != FanInStrategy::Striped);
+    let stage: &Stage = &workflow.stages()[0];
+    let retry = stage.retry_policy();
+    let handlers = stage.handler_names();
+    sqlx::query(
+        "WITH g AS (
+            INSERT INTO confluo.stage_group
+                   (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
+                    stripes, stripe_run)
+            SELECT gen_random_uuid(), e.id, 0, $2, $3, cardinality($4::text[]),
+                   CASE WHEN $5 = 'countdown' THEN cardinality($4::text[]) END, $5, 1, $15
+              FROM unnest($1::uuid[]) AS e(id)
+            RETURNING id, execution_id
+         ), t AS (
+            INSERT INTO confluo.task
+                   (id, execution_id, group_id, workflow_name, workflow_version, stage_index,
+                    handler, item_index, input, priority, max_attempts, backoff_base_ms,
+                    backoff_max_ms, backoff_jitter, timeout_ms)
+            SELECT gen_random_uuid(), g.execution_id, g.id, $6, $7, 0, h.name, (h.ord - 1)::int,
+                   NULL, $8, $9, $10, $11, $12, $13
+              FROM g, unnest($4::text[]) WITH ORDINALITY AS h(name, ord)
+         )
+         SELECT pg_notify($14, '')",
+    )
+    .bind(executions)
+    .bind(stage.name())
+    .bind(stage.kind().as_str())
+    .bind(&handlers)
+    .bind(fan_in.as_str())
+    .bind(workflow.name())
+    .bind(workflow.version())
+    .bind(stage.claim_priority())
+    .bind(retry.max_attempts as i32)
+    .bind(retry.initial_backoff_ms as i64)
+    .bind(retry.max_backoff_ms as i64)
+    .bind(retry.jitter)
+    .bind(stage.attempt_timeout().as_millis() as i64)
+    .bind(crate::store::TASKS_CHANNEL)
+    .bind(STRIPE_RUN)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 /// Sets the fired marker: true for the one caller that fires the group, false if it had
 /// fired already (a second guard behind every strategy's decision).
 pub(crate) async fn mark_fired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {

@@ -35,48 +35,116 @@ pub(crate) struct ClaimedRow {
     pub waited: f64,
 }
 
-/// Separates workflow and handler names in claim filters; names cannot contain it.
-pub(crate) const KEY_SEPARATOR: char = '\u{1f}';
+/// The handlers a claim may take: pairs of workflow and handler names.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct HandlerKeys {
+    pub workflows: Vec<String>,
+    pub handlers: Vec<String>,
+}
 
-/// Claims up to `limit` due tasks in one statement, highest priority first, then oldest
-/// due. `handler_keys` (`workflow<US>handler`) restricts the claim to what the caller can
-/// run; `None` claims anything.
-pub(crate) async fn claim(
-    conn: &mut PgConnection,
-    worker_id: &str,
-    limit: i64,
-    lease_ms: i64,
-    handler_keys: Option<&[String]>,
-) -> Result<Vec<ClaimedRow>> {
-    Ok(sqlx::query_as(
-        "WITH picked AS (
-            SELECT id FROM confluo.task
-             WHERE status = 'pending' AND run_at <= now()
-               AND ($4::text[] IS NULL OR (workflow_name || chr(31) || handler) = ANY ($4::text[]))
-             ORDER BY priority DESC, run_at
-             LIMIT $1
-             FOR UPDATE SKIP LOCKED
-         )
+/// What a claimed row carries besides the task: its input resolved in the claim
+/// statement, unless the previous stage was a block (a parallel or map stage's outputs
+/// are aggregated when the task runs, not copied into every claim), and the statuses that
+/// decide how the attempt is run and acknowledged.
+const CLAIMED_COLUMNS: &str = "
+    t.id, t.execution_id, t.group_id, t.workflow_name, t.workflow_version,
+    t.stage_index, t.handler, t.item_index, t.attempt, t.max_attempts,
+    t.timeout_ms, t.lease_token, t.lease_expires_at,
+    CASE WHEN t.input IS NOT NULL THEN t.input
+         WHEN t.stage_index = 0 THEN
+             (SELECT e.input FROM confluo.execution e WHERE e.id = t.execution_id)
+         ELSE (SELECT COALESCE(p.output, 'null'::jsonb)
+                 FROM confluo.stage_group pg JOIN confluo.task p ON p.group_id = pg.id
+                WHERE pg.execution_id = t.execution_id AND pg.stage_index = t.stage_index - 1
+                  AND pg.kind = 'step'
+                LIMIT 1)
+    END AS input,
+    (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id) AS execution_status,
+    (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in,
+    extract(epoch FROM now() - t.run_at)::float8 AS waited";
+
+/// Picks due tasks of the given handlers: each handler's range of `task_claim_handler_idx`
+/// is read in index order and stops after `limit` rows, and the ranges are merged by
+/// priority and due time. Rows a range locked beyond the merged `limit` are unlocked when
+/// the statement ends.
+const PICK_BY_HANDLER: &str = "SELECT c.id
+               FROM unnest($4::text[], $5::text[]) AS k(workflow_name, handler)
+               CROSS JOIN LATERAL (
+                    SELECT x.id, x.priority, x.run_at FROM confluo.task x
+                     WHERE x.status = 'pending'
+                       AND x.workflow_name = k.workflow_name AND x.handler = k.handler
+                       AND x.run_at <= now()
+                     ORDER BY x.priority DESC, x.run_at
+                     LIMIT $1
+                     FOR UPDATE SKIP LOCKED
+               ) c
+              ORDER BY c.priority DESC, c.run_at
+              LIMIT $1";
+
+/// The claiming UPDATE, around a `picked` CTE of task ids (already locked).
+fn claim_sql(picked: &str) -> String {
+    format!(
+        "WITH picked AS ({picked})
          UPDATE confluo.task t
             SET status = 'running', attempt = t.attempt + 1, lease_token = gen_random_uuid(),
                 lease_expires_at = now() + $2 * interval '1 millisecond',
                 worker_id = $3, started_at = now()
            FROM picked
           WHERE t.id = picked.id
-      RETURNING t.id, t.execution_id, t.group_id, t.workflow_name, t.workflow_version,
-                t.stage_index, t.handler, t.item_index, t.input, t.attempt, t.max_attempts,
-                t.timeout_ms, t.lease_token, t.lease_expires_at,
-                (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)
-                    AS execution_status,
-                (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in,
-                extract(epoch FROM now() - t.run_at)::float8 AS waited",
+      RETURNING {CLAIMED_COLUMNS}"
     )
-    .bind(limit)
-    .bind(lease_ms)
-    .bind(worker_id)
-    .bind(handler_keys)
-    .fetch_all(conn)
-    .await?)
+}
+
+/// Claims up to `limit` due tasks in one statement, highest priority first, then oldest
+/// due, locking them `FOR UPDATE SKIP LOCKED`: concurrent claimers never wait for each
+/// other and never take the same task. `handlers` restricts the claim to what the caller
+/// can run (one index range per handler, merged by priority and due time, so the plan
+/// does not depend on statistics); `None` claims anything.
+pub(crate) async fn claim(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    limit: i64,
+    lease_ms: i64,
+    handlers: Option<&HandlerKeys>,
+) -> Result<Vec<ClaimedRow>> {
+    let sql = match handlers {
+        None => claim_sql(
+            "SELECT id FROM confluo.task
+              WHERE status = 'pending' AND run_at <= now()
+              ORDER BY priority DESC, run_at
+              LIMIT $1
+              FOR UPDATE SKIP LOCKED",
+        ),
+        Some(_) => claim_sql(PICK_BY_HANDLER),
+    };
+    let query = sqlx::query_as(&sql)
+        .bind(limit)
+        .bind(lease_ms)
+        .bind(worker_id);
+    let query = match handlers {
+        None => query,
+        Some(keys) => query.bind(&keys.workflows).bind(&keys.handlers),
+    };
+    Ok(query.fetch_all(conn).await?)
+}
+
+/// The plan of the claim statement for `handlers`, as `EXPLAIN` prints it (for tests and
+/// diagnostics: it must be an index scan whatever the statistics).
+pub(crate) async fn explain_claim(
+    conn: &mut PgConnection,
+    limit: i64,
+    handlers: &HandlerKeys,
+) -> Result<String> {
+    let sql = format!("EXPLAIN {}", claim_sql(PICK_BY_HANDLER));
+    let lines: Vec<String> = sqlx::query_scalar(&sql)
+        .bind(limit)
+        .bind(60_000_i64)
+        .bind("explain")
+        .bind(&handlers.workflows)
+        .bind(&handlers.handlers)
+        .fetch_all(conn)
+        .await?;
+    Ok(lines.join("\n"))
 }
 
 /// Extends a held lease. Returns the execution's status, or `None` if the lease is lost.
@@ -95,6 +163,28 @@ pub(crate) async fn renew_lease(
     .bind(token)
     .bind(lease_ms)
     .fetch_optional(conn)
+    .await?)
+}
+
+/// Extends the leases of many held attempts in one statement (a worker's local queue);
+/// returns those it extended, each with its execution's status (the others lost their
+/// lease).
+pub(crate) async fn renew_leases(
+    conn: &mut PgConnection,
+    ids: &[TaskId],
+    tokens: &[LeaseToken],
+    lease_ms: i64,
+) -> Result<Vec<(TaskId, String)>> {
+    Ok(sqlx::query_as(
+        "UPDATE confluo.task t SET lease_expires_at = now() + $3 * interval '1 millisecond'
+           FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+          WHERE t.id = h.id AND t.lease_token = h.token AND t.status = 'running'
+      RETURNING t.id, (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .bind(lease_ms)
+    .fetch_all(conn)
     .await?)
 }
 
@@ -261,6 +351,30 @@ pub(crate) async fn release(
     .await?
     .rows_affected();
     Ok(rows == 1)
+}
+
+/// Gives many claimed tasks of running executions back in one statement, as [`release`]
+/// does one; returns those it gave back. A task whose execution stopped is left to the
+/// caller, to be cancelled and counted.
+pub(crate) async fn release_many(
+    conn: &mut PgConnection,
+    ids: &[TaskId],
+    tokens: &[LeaseToken],
+) -> Result<Vec<TaskId>> {
+    Ok(sqlx::query_scalar(
+        "UPDATE confluo.task t
+            SET status = 'pending', attempt = t.attempt - 1, run_at = now(),
+                lease_expires_at = NULL
+           FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+          WHERE t.id = h.id AND t.lease_token = h.token AND t.status = 'running'
+            AND EXISTS (SELECT 1 FROM confluo.execution e
+                         WHERE e.id = t.execution_id AND e.status = 'running')
+      RETURNING t.id",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .fetch_all(conn)
+    .await?)
 }
 
 /// Status and latest lease token of a task, to explain why a guarded transition matched

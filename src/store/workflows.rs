@@ -53,3 +53,19 @@ where
             version,
         })
 }
+
+/// The latest registered version of `name`.
+pub(crate) async fn latest_version<'e, E>(executor: E, name: &str) -> Result<i32>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let version: Option<i32> =
+        sqlx::query_scalar("SELECT max(version) FROM confluo.workflow WHERE name = $1")
+            .bind(name)
+            .fetch_one(executor)
+            .await?;
+    version.ok_or_else(|| Error::WorkflowNotFound {
+        name: name.to_owned(),
+        version: None,
+    })
+}

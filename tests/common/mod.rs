@@ -304,18 +304,27 @@ pub fn fast_retry(attempts: u32) -> confluo::RetryPolicy {
         .backoff(Duration::from_millis(10), Duration::from_millis(50))
 }
 
-/// A worker polling every 50 ms, 8 handlers at once, built by `build`.
+/// A worker polling every 50 ms, 8 handlers at once, built by `build`. Its acknowledgement
+/// window is the library's default (batched), or `CONFLUO_TEST_ACK_WINDOW_MS` when set
+/// (`0`: every ending acknowledged on its own), so the suite runs either way.
 pub async fn quick_worker(
     engine: &confluo::Engine,
     build: impl FnOnce(confluo::WorkerBuilder) -> confluo::WorkerBuilder,
 ) -> confluo::Worker {
-    build(
-        engine
-            .worker()
-            .poll_interval(Duration::from_millis(50))
-            .concurrency(8),
-    )
-    .start()
-    .await
-    .unwrap()
+    let mut worker = engine
+        .worker()
+        .poll_interval(Duration::from_millis(50))
+        .concurrency(8);
+    if let Some(ms) = test_ack_window_ms() {
+        worker = worker.ack_window(Duration::from_millis(ms));
+    }
+    build(worker).start().await.unwrap()
+}
+
+/// `CONFLUO_TEST_ACK_WINDOW_MS`, if set.
+pub fn test_ack_window_ms() -> Option<u64> {
+    std::env::var("CONFLUO_TEST_ACK_WINDOW_MS").ok().map(|v| {
+        v.parse()
+            .expect("CONFLUO_TEST_ACK_WINDOW_MS: a number of milliseconds")
+    })
 }

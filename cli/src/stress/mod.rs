@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use confluo::{Engine, FanInStrategy};
+use confluo::{Engine, FanInStrategy, WorkerBuilder};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -75,6 +75,10 @@ pub struct Args {
     /// Lease of worker attempts, in milliseconds (short: killed workers' tasks come back soon).
     #[arg(long, default_value_t = 3_000)]
     lease_ms: u64,
+    /// Workers' acknowledgement window in milliseconds (0: every ending acknowledged on
+    /// its own); the library's default when not given.
+    #[arg(long)]
+    ack_window_ms: Option<u64>,
 }
 
 /// A worker process of a stress run.
@@ -91,6 +95,21 @@ struct WorkerConfig {
     faults: HandlerFaults,
     seed: u64,
     lease_ms: u64,
+    ack_window_ms: Option<u64>,
+}
+
+/// The stress runs' worker: 16 handlers, a short lease, the acknowledgement window asked
+/// for.
+fn worker_builder(pool: PgPool, lease: Duration, ack_window_ms: Option<u64>) -> WorkerBuilder {
+    let builder = Engine::new(pool)
+        .worker()
+        .concurrency(16)
+        .lease(lease)
+        .poll_interval(Duration::from_millis(500));
+    match ack_window_ms {
+        Some(ms) => builder.ack_window(Duration::from_millis(ms)),
+        None => builder,
+    }
 }
 
 impl Args {
@@ -190,6 +209,7 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
             faults: args.faults.clone(),
             seed: args.seed,
             lease_ms: args.lease_ms,
+            ack_window_ms: args.ack_window_ms,
         })?;
         processes = Some(chaos::Processes::spawn(
             args.processes,
@@ -208,11 +228,7 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
                 pool: worker_pool.clone(),
                 ..ctx.clone()
             };
-            let builder = Engine::new(worker_pool)
-                .worker()
-                .concurrency(16)
-                .lease(lease)
-                .poll_interval(Duration::from_millis(500));
+            let builder = worker_builder(worker_pool, lease, args.ack_window_ms);
             in_process.push(worker_ctx.install(builder).start().await?);
         }
     }
@@ -451,11 +467,11 @@ pub async fn worker_process(
         faults: config.faults,
         seed: config.seed,
     };
-    let builder = Engine::new(worker_pool)
-        .worker()
-        .concurrency(16)
-        .lease(Duration::from_millis(config.lease_ms))
-        .poll_interval(Duration::from_millis(500));
+    let builder = worker_builder(
+        worker_pool,
+        Duration::from_millis(config.lease_ms),
+        config.ack_window_ms,
+    );
     let worker = ctx.install(builder).start().await?;
     tokio::signal::ctrl_c().await?;
     worker.shutdown().await;

@@ -1,0 +1,258 @@
+//! Starting executions: one, inside the caller's transaction, or many in a few statements.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::PgConnection;
+
+use crate::definition::{StageKind, Workflow};
+use crate::dispatch;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::ids::ExecutionId;
+use crate::store::{executions, workflows};
+
+/// A century: deadlines further out are capped, so that the timestamp stays in range.
+const MAX_DEADLINE_MS: i64 = 100 * 365 * 24 * 3600 * 1000;
+
+/// Options of [`Engine::start_with`].
+#[derive(Clone, Debug, Default)]
+pub struct StartOptions {
+    version: Option<i32>,
+    idempotency_key: Option<String>,
+    deadline: Option<Duration>,
+}
+
+impl StartOptions {
+    /// Default options: the latest registered version, no idempotency key.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Runs this version instead of the latest registered one.
+    pub fn version(mut self, version: i32) -> Self {
+        self.version = Some(version);
+        self
+    }
+
+    /// Starting twice with the same key (per workflow name) returns the first execution's
+    /// id and starts nothing, also when the two calls race.
+    pub fn idempotency_key(mut self, key: impl Into<String>) -> Self {
+        self.idempotency_key = Some(key.into());
+        self
+    }
+
+    /// Gives the execution this long to finish, counted from its start. Once the deadline
+    /// passes, a worker's housekeeping pass (every half lease, at most 5 s apart) moves it
+    /// to [`ExecutionStatus::TimedOut`](crate::ExecutionStatus::TimedOut) and cancels its
+    /// pending tasks in the same transaction; running handlers see their
+    /// [`cancellation`](crate::TaskContext::cancellation) at their next lease renewal, and
+    /// what they return dispatches nothing.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = confluo::StartOptions::new().deadline(Duration::from_secs(15 * 60));
+    /// # let _ = options;
+    /// ```
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// The deadline in milliseconds from now, capped at a century.
+    fn deadline_ms(&self) -> Option<i64> {
+        self.deadline.map(|d| {
+            i64::try_from(d.as_millis()).map_or(MAX_DEADLINE_MS, |ms| ms.min(MAX_DEADLINE_MS))
+        })
+    }
+}
+
+impl Engine {
+    /// Starts the latest registered version of `workflow` with `input`.
+    ///
+    /// # Errors
+    /// [`Error::WorkflowNotFound`]; [`Error::InvalidInput`] when the first stage is a map
+    /// and the input is not an array; [`Error::Json`]; [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// The start is one transaction: dropped before it commits, nothing was started.
+    pub async fn start<I: Serialize + ?Sized>(
+        &self,
+        workflow: &str,
+        input: &I,
+    ) -> Result<ExecutionId> {
+        self.start_with(workflow, input, StartOptions::default())
+            .await
+    }
+
+    /// [`start`](Self::start) with a version or an idempotency key.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    pub async fn start_with<I: Serialize + ?Sized>(
+        &self,
+        workflow: &str,
+        input: &I,
+        options: StartOptions,
+    ) -> Result<ExecutionId> {
+        let mut tx = self.pool().begin().await?;
+        let id = self.start_using(&mut tx, workflow, input, options).await?;
+        tx.commit().await?;
+        Ok(id)
+    }
+
+    /// Starts an execution inside the caller's transaction, so that it exists if and only
+    /// if the caller's own writes commit.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    ///
+    /// # Cancel safety
+    /// Dropped before it returns, the caller's transaction may hold part of the start: roll
+    /// it back (dropping an uncommitted sqlx transaction does).
+    pub async fn start_using<I: Serialize + ?Sized>(
+        &self,
+        conn: &mut PgConnection,
+        workflow: &str,
+        input: &I,
+        options: StartOptions,
+    ) -> Result<ExecutionId> {
+        let input = serde_json::to_value(input)?;
+        let definition = self
+            .definition_to_start(conn, workflow, options.version)
+            .await?;
+        check_input(&definition, &input, None)?;
+        let deadline_ms = options.deadline_ms();
+        let (id, created) = executions::insert(
+            conn,
+            executions::NewExecution {
+                id: ExecutionId::new(),
+                workflow_name: definition.name(),
+                workflow_version: definition.version(),
+                input: &input,
+                idempotency_key: options.idempotency_key.as_deref(),
+                fan_in: self.fan_in(),
+                deadline_ms,
+            },
+        )
+        .await?;
+        if created {
+            dispatch::enter(conn, id, &definition, 0, None, self.fan_in()).await?;
+            tracing::debug!(execution_id = %id, workflow, "execution started");
+        }
+        Ok(id)
+    }
+
+    /// Starts many executions of `workflow` in one transaction, in a few statements
+    /// whatever their number: one inserts the executions, one creates the first stage's
+    /// groups and tasks of all of them (a first-stage map, or a striped first stage, is
+    /// entered per execution, still in the same transaction). Each item carries its own
+    /// [`StartOptions`]: an idempotency key already taken (by an earlier start, or by an
+    /// earlier item of the same call) returns that execution's id and starts nothing, as
+    /// [`start_with`](Self::start_with) does. Returns one id per item, in order.
+    ///
+    /// ```no_run
+    /// # async fn demo(engine: confluo::Engine) -> confluo::Result<()> {
+    /// use confluo::StartOptions;
+    /// let orders = [(101, "order-101"), (102, "order-102")];
+    /// let ids = engine
+    ///     .start_many(
+    ///         "orders",
+    ///         orders
+    ///             .iter()
+    ///             .map(|(n, key)| (n, StartOptions::new().idempotency_key(*key))),
+    ///     )
+    ///     .await?;
+    /// assert_eq!(ids.len(), 2);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`start`](Self::start), for any item (then nothing is started): an
+    /// [`Error::InvalidInput`] names the item.
+    ///
+    /// # Cancel safety
+    /// One transaction: dropped before it commits, nothing was started.
+    pub async fn start_many<I, S>(&self, workflow: &str, starts: S) -> Result<Vec<ExecutionId>>
+    where
+        I: Serialize,
+        S: IntoIterator<Item = (I, StartOptions)>,
+    {
+        let mut items = Vec::new();
+        for (input, options) in starts {
+            items.push((serde_json::to_value(input)?, options));
+        }
+        let mut tx = self.pool().begin().await?;
+        let mut ids = vec![ExecutionId::from(uuid::Uuid::nil()); items.len()];
+        // One batch per version asked for (usually one: the latest).
+        let mut versions: Vec<Option<i32>> = items.iter().map(|(_, o)| o.version).collect();
+        versions.sort_unstable();
+        versions.dedup();
+        for version in versions {
+            let definition = self.definition_to_start(&mut tx, workflow, version).await?;
+            let positions: Vec<usize> = (0..items.len())
+                .filter(|&i| items[i].1.version == version)
+                .collect();
+            for &i in &positions {
+                check_input(&definition, &items[i].0, Some(i))?;
+            }
+            let batch: Vec<executions::NewExecutionRow> = positions
+                .iter()
+                .map(|&i| executions::NewExecutionRow {
+                    id: ExecutionId::new(),
+                    input: &items[i].0,
+                    idempotency_key: items[i].1.idempotency_key.as_deref(),
+                    deadline_ms: items[i].1.deadline_ms(),
+                })
+                .collect();
+            let started =
+                executions::insert_many(&mut tx, &definition, self.fan_in(), &batch).await?;
+            let created: Vec<ExecutionId> = started
+                .iter()
+                .filter(|(_, created)| *created)
+                .map(|(id, _)| *id)
+                .collect();
+            dispatch::enter_first_stage_many(&mut tx, &definition, &created, self.fan_in()).await?;
+            for (&i, (id, _)) in positions.iter().zip(started) {
+                ids[i] = id;
+            }
+        }
+        tx.commit().await?;
+        tracing::debug!(workflow, executions = ids.len(), "executions started");
+        Ok(ids)
+    }
+
+    /// The definition a start runs: `version`, or the latest registered one, from the
+    /// cache when this process has seen it (definitions never change once registered).
+    async fn definition_to_start(
+        &self,
+        conn: &mut PgConnection,
+        workflow: &str,
+        version: Option<i32>,
+    ) -> Result<Arc<Workflow>> {
+        let version = match version {
+            Some(version) => version,
+            None => workflows::latest_version(&mut *conn, workflow).await?,
+        };
+        self.definition(conn, workflow, version).await
+    }
+}
+
+/// Refuses an input the first stage cannot take: a first-stage map needs an array.
+/// `item` names the position in a batch.
+fn check_input(definition: &Workflow, input: &Value, item: Option<usize>) -> Result<()> {
+    let first = &definition.stages()[0];
+    if matches!(first.kind(), StageKind::Map) && !input.is_array() {
+        let which = item.map_or(String::new(), |i| format!("item {i}: "));
+        return Err(Error::InvalidInput {
+            workflow: definition.name().to_owned(),
+            reason: format!(
+                "{which}the first stage {:?} is a map, so the input must be a JSON array",
+                first.name()
+            ),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! Running one attempt: the handler on its own tokio task (a panic is a failed attempt),
+//! under the stage's timeout, while the lease is renewed every third of it.
+
+use std::sync::Arc;
+
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::{sleep, Instant};
+
+use super::acks::{self, Ack, Ending};
+use super::{Held, State};
+use crate::execution::ExecutionStatus;
+use crate::handler::{TaskContext, TaskError};
+
+/// Runs the attempt of a held task in a handler slot, then hands its ending to the
+/// acknowledger (or, without an acknowledgement window, acknowledges it here). The slot
+/// is freed as soon as the handler has returned; the room in the worker is freed once
+/// the ending is acknowledged.
+pub(super) async fn run(state: Arc<State>, held: Held, slot: OwnedSemaphorePermit) {
+    let task = &held.task;
+    if task.execution_status != ExecutionStatus::Running {
+        if let Err(error) = state.engine.cancel_claimed(task).await {
+            tracing::warn!(%error, task_id = %task.id, "cancelling a task of a stopped execution failed");
+        }
+        return;
+    }
+    let ending = run_handler(&state, &held).await;
+    drop(slot);
+    if state.settings.ack_window.is_zero() {
+        acks::acknowledge(&state, &held.task, &ending).await;
+    } else if let Err(unsent) = state.acks.send(Ack::Ending(Box::new((held, ending)))) {
+        // The acknowledger is gone only after every attempt ended; acknowledge here.
+        if let Ack::Ending(ending) = unsent.0 {
+            let (held, ending) = *ending;
+            acks::acknowledge(&state, &held.task, &ending).await;
+        }
+    }
+}
+
+/// Runs the handler to its ending.
+async fn run_handler(state: &State, held: &Held) -> Ending {
+    let task = &held.task;
+    let input = match &task.input {
+        Some(input) => input.clone(),
+        // A block's outputs, aggregated now rather than copied into every claim.
+        None => match state.engine.task_input(task).await {
+            Ok(input) => input,
+            Err(error) => {
+                return Ending::Returned(Err(TaskError::retryable(format!(
+                    "loading the input failed: {error}"
+                ))))
+            }
+        },
+    };
+    let Some(handler) = state
+        .handlers
+        .get(&(task.workflow.clone(), task.handler.clone()))
+        .cloned()
+    else {
+        // Claims are filtered by handler, so this is a bug; give the task back.
+        return Ending::Stopped;
+    };
+    let cancellation = state.hard_stop.child_token();
+    let context = TaskContext {
+        input,
+        task_id: task.id,
+        execution_id: task.execution_id,
+        workflow: task.workflow.clone(),
+        stage_index: task.stage_index,
+        handler: task.handler.clone(),
+        item_index: task.item_index,
+        attempt: task.attempt,
+        max_attempts: task.max_attempts,
+        cancellation: cancellation.clone(),
+    };
+    // Spawned, so that a panic is caught as a failed attempt instead of killing the loop.
+    let started = Instant::now();
+    let mut call = tokio::spawn(handler.call(context));
+    let timeout = sleep(task.timeout);
+    tokio::pin!(timeout);
+    let mut renew = tokio::time::interval(state.settings.lease / 3);
+    renew.tick().await;
+    let ending = loop {
+        tokio::select! {
+            joined = &mut call => break match joined {
+                Ok(result) => Ending::Returned(result),
+                Err(e) if e.is_panic() => Ending::Panicked(panic_message(e.into_panic())),
+                Err(_) => Ending::Stopped,
+            },
+            _ = &mut timeout => {
+                call.abort();
+                break Ending::TimedOut;
+            }
+            _ = state.hard_stop.cancelled() => {
+                call.abort();
+                break Ending::Stopped;
+            }
+            _ = renew.tick() => match state.engine.renew_lease(task, state.settings.lease).await {
+                Ok(Some(ExecutionStatus::Running)) => {}
+                Ok(Some(_)) => cancellation.cancel(),
+                Ok(None) => {
+                    call.abort();
+                    break Ending::LeaseLost;
+                }
+                Err(error) => tracing::warn!(%error, task_id = %task.id, "renewing a lease failed"),
+            },
+        }
+    };
+    crate::metrics::handler_ran(
+        &task.workflow,
+        &task.handler,
+        ending.label(),
+        started.elapsed().as_secs_f64(),
+    );
+    ending
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_owned()
+    }
+}

@@ -1,0 +1,183 @@
+//! Filling the local queue: one claim statement per refill, sized by the room the worker
+//! has left; the leases of tasks waiting in the local queue; the notification listener;
+//! housekeeping.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgListener, PgPoolOptions};
+use tokio::sync::mpsc;
+use tokio::time::{sleep, Instant};
+
+use super::{Held, State, Waiting};
+use crate::store;
+
+/// Claims into the local queue until shutdown. A refill waits until the worker has room
+/// for half its local queue (or for one task, without a local queue), then claims as
+/// many as it has room for, up to the batch size: with a backlog, one claim statement
+/// moves hundreds of tasks; with none, the claim returns what there is and the fetcher
+/// waits for a notification or the poll interval. Never stops in the middle of a claim,
+/// so that nothing it claimed is left unseen.
+pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>) {
+    let settings = &state.settings;
+    let refill_at = (settings.local_queue / 2).min(settings.batch_size).max(1);
+    let mut errors = 0u32;
+    // Waiting tasks are renewed at least every second, which also finds those whose
+    // execution stopped meanwhile: they are cancelled instead of run.
+    let renew_every = (settings.lease / 3).min(Duration::from_secs(1));
+    let mut next_renewal = Instant::now() + renew_every;
+    loop {
+        // Wait for room, renewing the waiting tasks' leases meanwhile.
+        let permits = loop {
+            if Instant::now() >= next_renewal {
+                renew_waiting(&state).await;
+                next_renewal = Instant::now() + renew_every;
+            }
+            tokio::select! {
+                _ = state.shutdown.cancelled() => return,
+                permits = state.room.clone().acquire_many_owned(refill_at as u32) => {
+                    break permits.expect("room never closes");
+                }
+                _ = tokio::time::sleep_until(next_renewal) => {}
+            }
+        };
+        permits.forget();
+        // Whatever else is free, up to the batch size; the permits taken here come back
+        // one by one as the tasks' endings are acknowledged (`Held`'s drop).
+        let mut extra = state
+            .room
+            .available_permits()
+            .min(settings.batch_size - refill_at);
+        match state.room.try_acquire_many(extra as u32) {
+            Ok(more) => more.forget(),
+            Err(_) => extra = 0,
+        }
+        let wanted = refill_at + extra;
+        let claimed = state
+            .engine
+            .claim_matching(&settings.id, wanted, settings.lease, Some(&state.keys))
+            .await;
+        let got = match claimed {
+            Ok(tasks) => {
+                errors = 0;
+                let got = tasks.len();
+                {
+                    let mut waiting = state.waiting.lock().expect("waiting set poisoned");
+                    for task in &tasks {
+                        let entry = Waiting {
+                            lease: task.lease,
+                            stopped: false,
+                        };
+                        waiting.insert(task.id, entry);
+                    }
+                }
+                for task in tasks {
+                    let held = Held {
+                        task,
+                        room: state.room.clone(),
+                    };
+                    // The dispatcher is gone only after shutdown; dropping gives the room back
+                    // and the lease expires, as for a crash.
+                    let _ = local.send(held);
+                }
+                got
+            }
+            Err(error) => {
+                errors += 1;
+                tracing::warn!(%error, "claiming tasks failed");
+                0
+            }
+        };
+        state.room.add_permits(wanted - got);
+        if got == wanted {
+            continue; // more may be waiting
+        }
+        let pause = if errors > 0 {
+            (settings.poll_interval * errors).min(Duration::from_secs(5))
+        } else {
+            settings.poll_interval
+        };
+        tokio::select! {
+            _ = state.shutdown.cancelled() => return,
+            _ = state.wake.notified(), if errors == 0 => {}
+            _ = sleep(pause) => {}
+        }
+    }
+}
+
+/// Extends the leases of the tasks waiting in the local queue, in one statement, and
+/// marks those whose execution stopped.
+async fn renew_waiting(state: &State) {
+    let held: Vec<_> = state
+        .waiting
+        .lock()
+        .expect("waiting set poisoned")
+        .iter()
+        .map(|(id, w)| (*id, w.lease))
+        .collect();
+    if held.is_empty() {
+        return;
+    }
+    match state.engine.renew_leases(&held, state.settings.lease).await {
+        Ok(stopped) if !stopped.is_empty() => {
+            let mut waiting = state.waiting.lock().expect("waiting set poisoned");
+            for id in stopped {
+                if let Some(w) = waiting.get_mut(&id) {
+                    w.stopped = true;
+                }
+            }
+        }
+        Ok(_) => {}
+        Err(error) => {
+            tracing::warn!(%error, tasks = held.len(), "renewing the local queue's leases failed")
+        }
+    }
+}
+
+/// Reclaims expired leases, times out executions past their deadline and samples the
+/// queue depth, every half lease (at most 5 s apart), until aborted.
+pub(super) async fn housekeeping(state: Arc<State>) {
+    let every = (state.settings.lease / 2).min(Duration::from_secs(5));
+    loop {
+        if let Err(error) = state.engine.reclaim_expired(100).await {
+            tracing::warn!(%error, "reclaiming expired leases failed");
+        }
+        if let Err(error) = state.engine.time_out_expired(100).await {
+            tracing::warn!(%error, "timing out executions past their deadline failed");
+        }
+        match state.engine.queue_depth().await {
+            Ok(depth) => crate::metrics::queue_depth(&depth),
+            Err(error) => tracing::debug!(%error, "sampling the queue depth failed"),
+        }
+        sleep(every).await;
+    }
+}
+
+/// Wakes the fetcher on every notification; reconnects on error.
+pub(super) async fn listen(state: Arc<State>) {
+    loop {
+        let result = async {
+            // A connection of its own, so that listening never takes a slot of the pool.
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .max_lifetime(None)
+                .idle_timeout(None)
+                .connect_with((*state.engine.pool().connect_options()).clone())
+                .await?;
+            let mut listener = PgListener::connect_with(&pool).await?;
+            listener.listen(store::TASKS_CHANNEL).await?;
+            loop {
+                listener.recv().await?;
+                state.wake.notify_one();
+            }
+        }
+        .await;
+        let error: sqlx::Error = match result {
+            Ok(()) => return,
+            Err(e) => e,
+        };
+        tracing::debug!(%error, "notification listener lost its connection; polling meanwhile");
+        state.wake.notify_one();
+        sleep(Duration::from_secs(1)).await;
+    }
+}

@@ -1,0 +1,452 @@
+//! The worker runtime: a pipeline that claims tasks in batches into a bounded local
+//! queue, runs their handlers under a lease, a timeout and a concurrency limit, and
+//! acknowledges their outcomes in batches.
+//!
+//! - [`fetch`]: the claimer (one claim statement per refill, sized by the room left in
+//!   the local queue) and the lease renewal of tasks waiting in the local queue;
+//! - [`attempt`]: running one attempt of a handler;
+//! - [`acks`]: acknowledging endings, one batch statement per window;
+//! - this module: the builder, the dispatcher between them, and shutdown.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::handler::{FnHandler, Handler, TaskContext, TaskError};
+use crate::ids::{LeaseToken, TaskId};
+use crate::queue::ClaimedTask;
+use crate::store::tasks::HandlerKeys;
+use crate::store::workflows;
+
+mod acks;
+mod attempt;
+mod fetch;
+
+/// Configures and starts a [`Worker`]; from [`Engine::worker`].
+///
+/// ```no_run
+/// # async fn demo(engine: confluo::Engine) -> confluo::Result<()> {
+/// use confluo::TaskError;
+/// use std::time::Duration;
+///
+/// let worker = engine
+///     .worker()
+///     .handler("hello", "greet", |task| async move {
+///         let name: String = task.input_as()?;
+///         Ok::<_, TaskError>(format!("hello, {name}"))
+///     })
+///     .concurrency(16)
+///     .start()
+///     .await?;
+/// // ... later
+/// worker.shutdown().await;
+/// # Ok(()) }
+/// ```
+pub struct WorkerBuilder {
+    engine: Engine,
+    handlers: HashMap<(String, String), Arc<dyn Handler>>,
+    settings: Settings,
+}
+
+/// A worker's tunables, as set on its builder.
+#[derive(Clone, Debug)]
+struct Settings {
+    id: String,
+    concurrency: usize,
+    local_queue: usize,
+    batch_size: usize,
+    ack_window: Duration,
+    ack_batch: usize,
+    poll_interval: Duration,
+    lease: Duration,
+    grace: Duration,
+    partial: bool,
+}
+
+/// Default [`WorkerBuilder::local_queue`]: claimed tasks waiting ahead of the handlers.
+const DEFAULT_LOCAL_QUEUE: usize = 256;
+/// Default [`WorkerBuilder::batch_size`]: tasks per claim statement at most.
+const DEFAULT_BATCH_SIZE: usize = 256;
+/// Default [`WorkerBuilder::ack_window`].
+const DEFAULT_ACK_WINDOW: Duration = Duration::from_millis(2);
+/// Default [`WorkerBuilder::ack_batch`].
+const DEFAULT_ACK_BATCH: usize = 512;
+
+impl fmt::Debug for WorkerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerBuilder")
+            .field("handlers", &self.handlers.keys().collect::<Vec<_>>())
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerBuilder {
+    pub(crate) fn new(engine: Engine) -> Self {
+        WorkerBuilder {
+            engine,
+            handlers: HashMap::new(),
+            settings: Settings {
+                id: format!("worker-{}", uuid::Uuid::new_v4()),
+                concurrency: 10,
+                local_queue: DEFAULT_LOCAL_QUEUE,
+                batch_size: DEFAULT_BATCH_SIZE,
+                ack_window: DEFAULT_ACK_WINDOW,
+                ack_batch: DEFAULT_ACK_BATCH,
+                poll_interval: Duration::from_millis(500),
+                lease: Duration::from_secs(30),
+                grace: Duration::from_secs(10),
+                partial: false,
+            },
+        }
+    }
+
+    /// Runs `handler` for the tasks of `workflow` named `name` (a step or map stage's
+    /// name, or a parallel branch's name).
+    pub fn handler<F, Fut, O>(self, workflow: &str, name: &str, handler: F) -> Self
+    where
+        F: Fn(TaskContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<O, TaskError>> + Send + 'static,
+        O: Serialize + Send + 'static,
+    {
+        self.handler_object(workflow, name, Arc::new(FnHandler(handler)))
+    }
+
+    /// Like [`handler`](Self::handler), for a [`Handler`] implementation.
+    pub fn handler_object(mut self, workflow: &str, name: &str, handler: Arc<dyn Handler>) -> Self {
+        self.handlers
+            .insert((workflow.to_owned(), name.to_owned()), handler);
+        self
+    }
+
+    /// Names this worker in the task rows it claims (default: `worker-<uuid>`).
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.settings.id = id.into();
+        self
+    }
+
+    /// How many handlers run at once (default 10). Each running handler holds no
+    /// database connection, so this can exceed the pool size.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.settings.concurrency = n.max(1);
+        self
+    }
+
+    /// How many claimed tasks wait in this worker's local queue, ahead of its handlers
+    /// (default 256). The worker claims in batches to keep it filled, so a handler that
+    /// returns finds its next task in memory instead of a round trip away. Waiting tasks
+    /// are leased to this worker (their leases are renewed in one statement every third
+    /// of the lease, at most a second apart) and given back, their attempt uncounted, at
+    /// shutdown. A waiting task whose execution stops (cancelled, timed out, failed) is
+    /// cancelled at the next renewal instead of run; one that starts before that runs, and
+    /// what it returns dispatches nothing.
+    ///
+    /// **Fairness**: one worker holds at most `concurrency + local_queue` tasks at once
+    /// (running, waiting, or awaiting their acknowledgement); other workers claim the
+    /// rest. Lower it when tasks are slow and several workers share a small backlog
+    /// (with `0`, a worker claims only for its free handler slots).
+    pub fn local_queue(mut self, n: usize) -> Self {
+        self.settings.local_queue = n;
+        self
+    }
+
+    /// How many tasks one claim statement takes at most (default 256). A refill claims
+    /// what the local queue has room for, up to this.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.settings.batch_size = n.max(1);
+        self
+    }
+
+    /// How long an ending (success or failure) may wait to be acknowledged with others
+    /// in one statement (default 2 ms). Completions of the batch are written in one
+    /// statement, each group counted down once for all its members in it, and a batch
+    /// that drains a group fires it, exactly once, as a single acknowledgement would. The
+    /// batch is flushed before the window ends when it fills
+    /// ([`ack_batch`](Self::ack_batch)), when no handler is running and no task waits
+    /// (so the last member of a group is not kept waiting), and when the worker stops.
+    ///
+    /// `Duration::ZERO` acknowledges each ending on its own, as soon as its handler
+    /// returns.
+    ///
+    /// **What a crash loses**: at most the endings not yet flushed. Their tasks are still
+    /// `running` under this worker's lease; once it expires they are reclaimed and run
+    /// again (at-least-once, as for any attempt whose acknowledgement was lost).
+    pub fn ack_window(mut self, window: Duration) -> Self {
+        self.settings.ack_window = window;
+        self
+    }
+
+    /// How many endings one acknowledgement batch holds at most (default 512).
+    pub fn ack_batch(mut self, n: usize) -> Self {
+        self.settings.ack_batch = n.max(1);
+        self
+    }
+
+    /// How often an idle worker polls when no notification arrives (default 500 ms);
+    /// notifications wake it at once, polling covers retries coming due and lost
+    /// notifications.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.settings.poll_interval = interval;
+        self
+    }
+
+    /// How long a claim holds a task without renewal (default 30 s). Renewed every third
+    /// of it while the handler runs; after a crash, the task is reclaimed this long after
+    /// the last renewal.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.settings.lease = lease.max(Duration::from_millis(100));
+        self
+    }
+
+    /// How long [`Worker::shutdown`] lets running handlers finish before it stops them and
+    /// releases their tasks (default 10 s).
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.settings.grace = grace;
+        self
+    }
+
+    /// Serve only the handlers given, and leave the other stages of the same workflows to
+    /// other workers (e.g. a pool of workers with a GPU for one stage). Off by default:
+    /// [`start`](Self::start) then refuses a worker that lacks a handler.
+    pub fn partial(mut self, partial: bool) -> Self {
+        self.settings.partial = partial;
+        self
+    }
+
+    /// Checks that every stage of the latest version of each workflow served has a
+    /// handler (unless [`partial`](Self::partial)), and starts the worker on the current
+    /// tokio runtime.
+    ///
+    /// # Errors
+    /// [`Error::MissingHandler`]; [`Error::WorkflowNotFound`] for a workflow that is not
+    /// registered; [`Error::Database`].
+    pub async fn start(self) -> Result<Worker> {
+        let served: HashSet<&str> = self.handlers.keys().map(|(w, _)| w.as_str()).collect();
+        if served.is_empty() {
+            return Err(Error::NoHandlers);
+        }
+        for workflow in served {
+            let definition = workflows::load(self.engine.pool(), workflow, None).await?;
+            for name in definition.handler_names() {
+                if !self.settings.partial
+                    && !self
+                        .handlers
+                        .contains_key(&(workflow.to_owned(), name.to_owned()))
+                {
+                    return Err(Error::MissingHandler {
+                        workflow: workflow.to_owned(),
+                        version: definition.version(),
+                        handler: name.to_owned(),
+                    });
+                }
+            }
+        }
+        let mut keys = HandlerKeys::default();
+        for (workflow, handler) in self.handlers.keys() {
+            keys.workflows.push(workflow.clone());
+            keys.handlers.push(handler.clone());
+        }
+        let shutdown = CancellationToken::new();
+        let settings = self.settings.clone();
+        let (acks, ack_queue) = mpsc::unbounded_channel();
+        let state = Arc::new(State {
+            engine: self.engine,
+            handlers: self.handlers,
+            keys,
+            shutdown: shutdown.clone(),
+            hard_stop: CancellationToken::new(),
+            wake: Notify::new(),
+            room: Arc::new(Semaphore::new(settings.concurrency + settings.local_queue)),
+            slots: Arc::new(Semaphore::new(settings.concurrency)),
+            waiting: Mutex::new(HashMap::new()),
+            acks,
+            settings,
+        });
+        let handle = tokio::spawn(run(state, ack_queue));
+        Ok(Worker {
+            id: self.settings.id,
+            shutdown,
+            handle,
+        })
+    }
+}
+
+/// A running worker. Dropping it does not stop it: call [`shutdown`](Self::shutdown).
+#[derive(Debug)]
+pub struct Worker {
+    id: String,
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Worker {
+    /// This worker's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Stops claiming, lets running handlers finish within the grace period, then stops
+    /// the rest and releases their tasks (their attempts do not count), and returns.
+    ///
+    /// # Cancel safety
+    /// Dropping this future leaves the worker shutting down in the background.
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        let _ = self.handle.await;
+    }
+}
+
+/// What the pipeline's parts share.
+struct State {
+    engine: Engine,
+    handlers: HashMap<(String, String), Arc<dyn Handler>>,
+    keys: HandlerKeys,
+    settings: Settings,
+    /// Stop claiming; finish what runs within the grace period.
+    shutdown: CancellationToken,
+    /// The grace period is over: stop the handlers.
+    hard_stop: CancellationToken,
+    /// Tasks may have become claimable (a notification, or the local queue drained).
+    wake: Notify,
+    /// Tasks this worker may hold: `concurrency + local_queue` permits, one taken per
+    /// claimed task until its ending is acknowledged (or it is given back).
+    room: Arc<Semaphore>,
+    /// Handler slots: `concurrency` permits, one per running handler.
+    slots: Arc<Semaphore>,
+    /// Claimed tasks waiting in the local queue, whose leases the fetcher renews; true
+    /// once a renewal found the task's execution stopped.
+    waiting: Mutex<HashMap<TaskId, Waiting>>,
+    /// Endings on their way to the acknowledger.
+    acks: mpsc::UnboundedSender<acks::Ack>,
+}
+
+impl State {
+    /// Whether nothing runs and nothing waits: no ending will arrive soon.
+    fn idle(&self) -> bool {
+        self.slots.available_permits() == self.settings.concurrency
+            && self
+                .waiting
+                .lock()
+                .expect("waiting set poisoned")
+                .is_empty()
+    }
+}
+
+/// A task waiting in the local queue.
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    lease: LeaseToken,
+    /// A renewal found its execution stopped: cancel it instead of running it.
+    stopped: bool,
+}
+
+/// One task this worker holds, with its permit of [`State::room`]: the room comes back
+/// when this is dropped, after the task's ending was acknowledged or the task given back.
+struct Held {
+    task: ClaimedTask,
+    room: Arc<Semaphore>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.room.add_permits(1);
+    }
+}
+
+/// The dispatcher: hands tasks from the local queue to free handler slots until shutdown,
+/// then gives back what still waits, lets running handlers finish within the grace
+/// period, and flushes the last acknowledgements.
+async fn run(state: Arc<State>, ack_queue: mpsc::UnboundedReceiver<acks::Ack>) {
+    let (local_tx, mut local) = mpsc::unbounded_channel::<Held>();
+    let listener = tokio::spawn(fetch::listen(state.clone()));
+    let housekeeping = tokio::spawn(fetch::housekeeping(state.clone()));
+    let fetcher = tokio::spawn(fetch::fetch(state.clone(), local_tx));
+    let acknowledger = tokio::spawn(acks::acknowledge_batches(state.clone(), ack_queue));
+    let mut running = JoinSet::new();
+    let mut unclaimed = Vec::new();
+    loop {
+        let held = tokio::select! {
+            _ = state.shutdown.cancelled() => break,
+            next = local.recv() => match next {
+                Some(held) => held,
+                None => break,
+            },
+        };
+        let slot = tokio::select! {
+            slot = state.slots.clone().acquire_owned() => slot.expect("slots never close"),
+            _ = state.shutdown.cancelled() => {
+                unclaimed.push(held);
+                break;
+            }
+        };
+        let mut held = held;
+        let waited = state
+            .waiting
+            .lock()
+            .expect("waiting set poisoned")
+            .remove(&held.task.id);
+        if waited.is_some_and(|w| w.stopped) {
+            held.task.execution_status = crate::execution::ExecutionStatus::Cancelled;
+        }
+        let task = &held.task;
+        let span = tracing::debug_span!(
+            "task",
+            task_id = %task.id,
+            execution_id = %task.execution_id,
+            stage = task.stage_index,
+            handler = %task.handler,
+            attempt = task.attempt
+        );
+        running.spawn(attempt::run(state.clone(), held, slot).instrument(span));
+        while running.try_join_next().is_some() {}
+    }
+    // The fetcher stops at the shutdown signal, never in the middle of a claim: whatever
+    // it claimed is in the local queue, and goes back.
+    let _ = fetcher.await;
+    listener.abort();
+    housekeeping.abort();
+    while let Ok(held) = local.try_recv() {
+        unclaimed.push(held);
+    }
+    give_back(&state, unclaimed).await;
+    let deadline = tokio::time::sleep(state.settings.grace);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            next = running.join_next() => if next.is_none() { break },
+            _ = &mut deadline => {
+                state.hard_stop.cancel();
+                while running.join_next().await.is_some() {}
+                break;
+            }
+        }
+    }
+    let _ = state.acks.send(acks::Ack::Close);
+    let _ = acknowledger.await;
+}
+
+/// Gives tasks of the local queue back at shutdown, their attempts uncounted. If the
+/// database cannot be reached, their leases expire and they are reclaimed.
+async fn give_back(state: &State, held: Vec<Held>) {
+    if held.is_empty() {
+        return;
+    }
+    let tasks: Vec<ClaimedTask> = held.iter().map(|h| h.task.clone()).collect();
+    match state.engine.release_many(&tasks).await {
+        Ok(n) => tracing::debug!(released = n, "gave back the local queue"),
+        Err(error) => {
+            tracing::warn!(%error, tasks = tasks.len(), "giving back the local queue failed; the tasks come back when their leases expire")
+        }
+    }
+    state.waiting.lock().expect("waiting set poisoned").clear();
+}

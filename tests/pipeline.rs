@@ -1,0 +1,407 @@
+//! The worker's pipeline: claims whose plan does not depend on statistics, a bounded local
+//! queue that is renewed and given back, and batched acknowledgements.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{eventually, TestDb, WAIT};
+use confluo::{Engine, ExecutionStatus, Stage, StartOptions, TaskError, Workflow};
+use serde_json::json;
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::Notify;
+
+/// The claim statement reads one index range per handler, in index order, on a task table
+/// that was never analyzed and holds 100 000 pending tasks just inserted, with the custom
+/// plan and with the generic plan a prepared statement switches to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_is_an_index_scan_on_a_fresh_unanalyzed_table() {
+    let db = TestDb::new(4).await;
+    // Keep autovacuum from analyzing the table behind the test's back.
+    sqlx::query("ALTER TABLE confluo.task SET (autovacuum_enabled = false)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    db.register(&Workflow::new("wide", 1).map("item").step("after"))
+        .await;
+    db.register(&Workflow::new("other", 1).step("one")).await;
+    let items: Vec<u32> = (0..100_000).collect();
+    db.engine.start("wide", &items).await.unwrap();
+    for i in 0..50 {
+        db.engine.start("other", &i).await.unwrap();
+    }
+    let analyzed: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+        "SELECT greatest(last_analyze, last_autoanalyze) FROM pg_stat_user_tables
+          WHERE schemaname = 'confluo' AND relname = 'task'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(analyzed, None, "the table must not have statistics");
+
+    let handlers = [("wide", "item"), ("other", "one"), ("wide", "after")];
+    let custom = db.engine.claim_plan(&handlers, 256).await.unwrap();
+    println!("custom plan:\n{custom}");
+    assert_index_plan(&custom);
+
+    sqlx::query(&format!(
+        "ALTER DATABASE {} SET plan_cache_mode = force_generic_plan",
+        db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let generic_pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options())
+        .await
+        .unwrap();
+    let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
+        .fetch_one(&generic_pool)
+        .await
+        .unwrap();
+    assert_eq!(mode, "force_generic_plan");
+    let generic = Engine::new(generic_pool)
+        .claim_plan(&handlers, 256)
+        .await
+        .unwrap();
+    println!("generic plan:\n{generic}");
+    assert_index_plan(&generic);
+}
+
+/// The part of the plan that picks the tasks (the `picked` CTE) walks the handler index,
+/// with no sequential or bitmap scan of the task table: a sort there would sort the whole
+/// backlog. (The merge of the handlers' ranges sorts at most `limit` rows per handler;
+/// inputs read by reference, after the pick, are lookups by key.)
+fn assert_index_plan(plan: &str) {
+    let picked: Vec<&str> = plan
+        .lines()
+        .skip_while(|l| !l.contains("CTE picked"))
+        .skip(1)
+        .take_while(|l| l.starts_with("    "))
+        .collect();
+    let picked = picked.join("\n");
+    assert!(
+        picked.contains("Index Scan using task_claim_handler_idx on task"),
+        "the claim must walk task_claim_handler_idx:\n{plan}"
+    );
+    for bad in ["Seq Scan", "Bitmap"] {
+        assert!(!picked.contains(bad), "the pick has a {bad}:\n{plan}");
+    }
+}
+
+/// Handlers that block until released, counting how many run.
+#[derive(Clone, Default)]
+struct Gate {
+    running: Arc<AtomicUsize>,
+    release: Arc<Notify>,
+}
+
+/// A worker holds at most `concurrency + local_queue` tasks, and at shutdown gives back
+/// those that waited in its local queue, their attempts uncounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_local_queue_is_bounded_and_given_back_at_shutdown() {
+    let db = TestDb::new(8).await;
+    db.register(&Workflow::new("slow", 1).map("item")).await;
+    let items: Vec<u32> = (0..50).collect();
+    let id = db.engine.start("slow", &items).await.unwrap();
+    let gate = Gate::default();
+    let g = gate.clone();
+    let worker = db
+        .engine
+        .worker()
+        .concurrency(2)
+        .local_queue(4)
+        .poll_interval(Duration::from_millis(50))
+        .shutdown_grace(Duration::from_millis(200))
+        .handler("slow", "item", move |_| {
+            let g = g.clone();
+            async move {
+                g.running.fetch_add(1, Ordering::SeqCst);
+                g.release.notified().await;
+                Ok::<_, TaskError>(())
+            }
+        })
+        .start()
+        .await
+        .unwrap();
+    assert!(
+        eventually(WAIT, || async { gate.running.load(Ordering::SeqCst) == 2 }).await,
+        "two handlers should run"
+    );
+    let held = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM confluo.task WHERE status = 'running'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    assert!(eventually(WAIT, || async { held().await == 6 }).await);
+    tokio::time::sleep(Duration::from_millis(300)).await; // polls come and go
+    assert_eq!(held().await, 6, "2 running + 4 waiting, no more");
+    assert_eq!(gate.running.load(Ordering::SeqCst), 2);
+
+    worker.shutdown().await; // the 2 blocked handlers are stopped after the grace period
+    let (pending, attempted): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE attempt > 0)
+           FROM confluo.task WHERE execution_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(pending, 50, "every task is back in the queue");
+    assert_eq!(attempted, 0, "no attempt was counted");
+}
+
+/// Tasks that wait in the local queue longer than the lease keep it: the worker renews
+/// their leases, so none is reclaimed (no attempt counted twice, no lease-expired error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiting_tasks_keep_their_leases() {
+    let db = TestDb::new(8).await;
+    db.register(&Workflow::new("queue", 1).map("item")).await;
+    let items: Vec<u32> = (0..12).collect();
+    let id = db.engine.start("queue", &items).await.unwrap();
+    let worker = db
+        .engine
+        .worker()
+        .concurrency(1)
+        .local_queue(16)
+        .lease(Duration::from_millis(300))
+        .poll_interval(Duration::from_millis(50))
+        .handler("queue", "item", |_| async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok::<_, TaskError>(())
+        })
+        .start()
+        .await
+        .unwrap();
+    let done = db.engine.wait(id, WAIT).await.unwrap();
+    worker.shutdown().await;
+    assert_eq!(done.status, ExecutionStatus::Completed);
+    let (attempts, errors): (i64, i64) = sqlx::query_as(
+        "SELECT sum(attempt)::int8, sum(jsonb_array_length(errors))::int8
+           FROM confluo.task WHERE execution_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (attempts, errors),
+        (12, 0),
+        "the last task waited ~1.1 s with a 300 ms lease"
+    );
+}
+
+/// With an acknowledgement window, completions are written in batches (members of one
+/// batch share the statement's `now()`), the group fires once, and the next stage sees
+/// every output; with no window, each completion is its own statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn completions_are_acknowledged_in_batches() {
+    for (window, batched) in [(Duration::from_millis(20), true), (Duration::ZERO, false)] {
+        let db = TestDb::new(8).await;
+        db.register(
+            &Workflow::new("fan", 1)
+                .stage(Stage::map("item"))
+                .step("total"),
+        )
+        .await;
+        let items: Vec<u32> = (0..400).collect();
+        let id = db.engine.start("fan", &items).await.unwrap();
+        let worker = db
+            .engine
+            .worker()
+            .concurrency(8)
+            .ack_window(window)
+            .poll_interval(Duration::from_millis(50))
+            .handler("fan", "item", |t| async move {
+                Ok::<_, TaskError>(t.input_as::<u32>()? * 2)
+            })
+            .handler("fan", "total", |t| async move {
+                let r: confluo::MapResults<u32> = t.input_as()?;
+                Ok::<_, TaskError>(
+                    json!({"n": r.outputs.len(), "sum": r.outputs.iter().sum::<u32>()}),
+                )
+            })
+            .start()
+            .await
+            .unwrap();
+        let done = db.engine.wait(id, WAIT).await.unwrap();
+        worker.shutdown().await;
+        assert_eq!(done.status, ExecutionStatus::Completed);
+        assert_eq!(done.output, Some(json!({"n": 400, "sum": 399 * 400})));
+        let statements: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT finished_at) FROM confluo.task
+              WHERE execution_id = $1 AND stage_index = 0",
+        )
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        let groups: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM confluo.stage_group WHERE execution_id = $1 AND fired_at IS NOT NULL",
+        )
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(groups, 2, "both groups fired, once each");
+        if batched {
+            assert!(
+                statements <= 100,
+                "400 completions in {statements} statements: not batched"
+            );
+        } else {
+            assert!(
+                statements > 300,
+                "400 completions in only {statements} statements with no window"
+            );
+        }
+    }
+}
+
+/// `start_many` starts every item in order, honours idempotency keys within the call and
+/// across calls, and its executions run as those of `start` do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn start_many_starts_in_order_and_honours_idempotency_keys() {
+    let db = TestDb::new(8).await;
+    db.register(&Workflow::new("one", 1).step("double")).await;
+    let key = |k: &str| confluo::StartOptions::new().idempotency_key(k);
+    let first = db
+        .engine
+        .start_many(
+            "one",
+            [
+                (1, key("a")),
+                (2, key("b")),
+                (3, key("a")),
+                (4, StartOptions::new()),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 4);
+    assert_eq!(first[0], first[2], "the same key twice in one call");
+    assert_ne!(first[0], first[1]);
+    let second = db
+        .engine
+        .start_many("one", [(5, key("b")), (6, key("c"))])
+        .await
+        .unwrap();
+    assert_eq!(second[0], first[1], "a key of an earlier call");
+    let worker = common::quick_worker(&db.engine, |w| {
+        w.handler("one", "double", |t| async move {
+            Ok::<_, TaskError>(t.input_as::<i64>()? * 2)
+        })
+    })
+    .await;
+    let mut outputs = Vec::new();
+    for id in [first[0], first[1], first[3], second[1]] {
+        outputs.push(db.engine.wait(id, WAIT).await.unwrap().output);
+    }
+    worker.shutdown().await;
+    // The first item of each key is the one that ran.
+    assert_eq!(
+        outputs,
+        vec![
+            Some(json!(2)),
+            Some(json!(4)),
+            Some(json!(8)),
+            Some(json!(12))
+        ]
+    );
+    let executions: i64 = sqlx::query_scalar("SELECT count(*) FROM confluo.execution")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(executions, 4);
+}
+
+/// Two `start_many` calls racing on overlapping keys, from separate connections released
+/// together, agree on one execution per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn start_many_racing_on_the_same_keys_starts_each_once() {
+    let db = TestDb::new(8).await;
+    db.register(&Workflow::new("one", 1).step("s")).await;
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let mut racers = Vec::new();
+    for offset in [0, 25] {
+        let engine = Engine::new(db.new_pool(2).await);
+        let barrier = barrier.clone();
+        racers.push(tokio::spawn(async move {
+            let mut items: Vec<_> = (offset..offset + 50)
+                .map(|k| (k, StartOptions::new().idempotency_key(format!("k{k:02}"))))
+                .collect();
+            if offset > 0 {
+                items.reverse(); // the shared keys in the other order: no deadlock either
+            }
+            barrier.wait().await;
+            engine.start_many("one", items).await.unwrap()
+        }));
+    }
+    let a = racers.remove(0).await.unwrap();
+    let b = racers.remove(0).await.unwrap();
+    let mut shared_in_b = b[25..].to_vec(); // b holds k74..k25
+    shared_in_b.reverse();
+    assert_eq!(
+        &a[25..],
+        &shared_in_b[..],
+        "the shared keys k25..k49 got the same executions"
+    );
+    let (executions, tasks): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM confluo.execution), (SELECT count(*) FROM confluo.task)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((executions, tasks), (75, 75));
+}
+
+/// An input the first stage cannot take is refused with the item named, and nothing of
+/// the call is started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_many_refuses_a_bad_item_and_starts_nothing() {
+    let db = TestDb::new(4).await;
+    db.register(&Workflow::new("fan", 1).map("each")).await;
+    let items = [json!([1, 2]), json!([3]), json!("not an array")];
+    let err = db
+        .engine
+        .start_many("fan", items.iter().map(|i| (i, StartOptions::new())))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, confluo::Error::InvalidInput { .. }) && err.to_string().contains("item 2"),
+        "{err}"
+    );
+    let executions: i64 = sqlx::query_scalar("SELECT count(*) FROM confluo.execution")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(executions, 0);
+    // Maps as first stage are entered per execution, empty ones included.
+    let ids = db
+        .engine
+        .start_many(
+            "fan",
+            [json!([1, 2, 3]), json!([])]
+                .iter()
+                .map(|i| (i, StartOptions::new())),
+        )
+        .await
+        .unwrap();
+    let widths: Vec<i64> = sqlx::query_scalar(
+        "SELECT width::int8 FROM confluo.stage_group WHERE execution_id = ANY ($1) ORDER BY width DESC",
+    )
+    .bind(ids.iter().map(|i| i.as_uuid()).collect::<Vec<_>>())
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(widths, vec![3, 0]);
+    assert_eq!(
+        db.engine.status(ids[1]).await.unwrap(),
+        ExecutionStatus::Completed,
+        "an empty map completes at once"
+    );
+}
