@@ -58,9 +58,9 @@ pub fn workflow(strategy: FanInStrategy) -> Workflow {
 pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode> {
     // Workers of other processes work in the database as it is; otherwise it starts anew.
     let options = if args.workers == 0 {
-        crate::server::existing_database(&admin, &args.database).await?
+        confluo_testkit::existing_database(&admin, &args.database).await?
     } else {
-        crate::server::fresh_database(&admin, &args.database).await?
+        confluo_testkit::fresh_database(&admin, &args.database).await?
     };
     let engine = Engine::new(
         PgPoolOptions::new()

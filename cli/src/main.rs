@@ -18,7 +18,7 @@ mod dead_letters;
 mod demo;
 mod doctor;
 mod executions;
-mod server;
+use confluo_testkit as server;
 mod stress;
 mod worker;
 

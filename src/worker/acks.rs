@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use serde_json::Value;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Mutex};
 use tokio::time::{sleep, timeout_at, Instant};
 
 use super::{Held, State};
@@ -52,45 +52,49 @@ const ACK_TRIES: usize = 8;
 /// Gathers endings into batches and acknowledges them, until [`Ack::Close`]. A batch is
 /// flushed when its window ends, when it is full, when the worker is idle (no handler
 /// running, nothing waiting: no ending will come soon, so a group's last member is not
-/// kept waiting), and at close. One batch is written at a time; endings that arrive
-/// meanwhile form the next one, so under load batches grow to what one write takes.
+/// kept waiting), and at close. Several acknowledgers share the queue: one gathers while
+/// the others write, so under load batches grow to what one write takes and the database
+/// works on more than one at a time.
 pub(super) async fn acknowledge_batches(
     state: Arc<State>,
-    mut queue: mpsc::UnboundedReceiver<Ack>,
+    queue: Arc<Mutex<mpsc::UnboundedReceiver<Ack>>>,
 ) {
     let window = state.settings.ack_window;
     let limit = state.settings.ack_batch;
     let mut open = true;
     while open {
         let mut batch = Vec::new();
-        match queue.recv().await {
-            Some(Ack::Ending(ending)) => batch.push(*ending),
-            Some(Ack::Close) | None => break,
-        }
-        let deadline = Instant::now() + window;
-        while batch.len() < limit {
-            // Take what is already there without waiting.
-            match queue.try_recv() {
-                Ok(Ack::Ending(ending)) => {
-                    batch.push(*ending);
-                    continue;
+        {
+            let mut queue = queue.lock().await;
+            match queue.recv().await {
+                Some(Ack::Ending(ending)) => batch.push(*ending),
+                Some(Ack::Close) | None => break,
+            }
+            let deadline = Instant::now() + window;
+            while batch.len() < limit {
+                // Take what is already there without waiting.
+                match queue.try_recv() {
+                    Ok(Ack::Ending(ending)) => {
+                        batch.push(*ending);
+                        continue;
+                    }
+                    Ok(Ack::Close) | Err(mpsc::error::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => {}
                 }
-                Ok(Ack::Close) | Err(mpsc::error::TryRecvError::Disconnected) => {
-                    open = false;
+                if state.idle() {
                     break;
                 }
-                Err(mpsc::error::TryRecvError::Empty) => {}
-            }
-            if state.idle() {
-                break;
-            }
-            match timeout_at(deadline, queue.recv()).await {
-                Ok(Some(Ack::Ending(ending))) => batch.push(*ending),
-                Ok(Some(Ack::Close)) | Ok(None) => {
-                    open = false;
-                    break;
+                match timeout_at(deadline, queue.recv()).await {
+                    Ok(Some(Ack::Ending(ending))) => batch.push(*ending),
+                    Ok(Some(Ack::Close)) | Ok(None) => {
+                        open = false;
+                        break;
+                    }
+                    Err(_) => break, // the window is over
                 }
-                Err(_) => break, // the window is over
             }
         }
         flush(&state, batch).await;
@@ -117,7 +121,8 @@ async fn flush(state: &State, batch: Vec<(Held, Ending)>) {
         }
     }
     if !completions.is_empty() {
-        complete_batch(state, &completions).await;
+        // Nothing else running: this batch is likely some group's last arrivals.
+        complete_batch(state, &completions, state.idle()).await;
     }
     join_all(
         others
@@ -130,10 +135,10 @@ async fn flush(state: &State, batch: Vec<(Held, Ending)>) {
 
 /// Writes a batch of completions, repeating on connection errors (a repeat after a lost
 /// answer finds them recorded: nothing changes twice).
-async fn complete_batch(state: &State, items: &[(&ClaimedTask, Value)]) {
+async fn complete_batch(state: &State, items: &[(&ClaimedTask, Value)], likely_last: bool) {
     let mut pause = Duration::from_millis(50);
     for _ in 0..ACK_TRIES {
-        match state.engine.complete_batch(items).await {
+        match state.engine.complete_batch_hinted(items, likely_last).await {
             Ok(outcomes) => {
                 tracing::debug!(
                     completions = items.len(),

@@ -12,9 +12,9 @@ use crate::execution::ExecutionStatus;
 use crate::handler::{TaskContext, TaskError};
 
 /// Runs the attempt of a held task in a handler slot, then hands its ending to the
-/// acknowledger (or, without an acknowledgement window, acknowledges it here). The slot
-/// is freed as soon as the handler has returned; the room in the worker is freed once
-/// the ending is acknowledged.
+/// acknowledger, freeing the slot; the room in the worker is freed once the ending is
+/// acknowledged. Without an acknowledgement window, it acknowledges the ending itself,
+/// in the slot.
 pub(super) async fn run(state: Arc<State>, held: Held, slot: OwnedSemaphorePermit) {
     let task = &held.task;
     if task.execution_status != ExecutionStatus::Running {
@@ -24,10 +24,13 @@ pub(super) async fn run(state: Arc<State>, held: Held, slot: OwnedSemaphorePermi
         return;
     }
     let ending = run_handler(&state, &held).await;
-    drop(slot);
     if state.settings.ack_window.is_zero() {
+        // Acknowledged here, in the slot: handlers cannot outrun their acknowledgements.
         acks::acknowledge(&state, &held.task, &ending).await;
-    } else if let Err(unsent) = state.acks.send(Ack::Ending(Box::new((held, ending)))) {
+        return;
+    }
+    drop(slot);
+    if let Err(unsent) = state.acks.send(Ack::Ending(Box::new((held, ending)))) {
         // The acknowledger is gone only after every attempt ended; acknowledge here.
         if let Ack::Ending(ending) = unsent.0 {
             let (held, ending) = *ending;

@@ -18,7 +18,10 @@ use crate::store;
 /// moves hundreds of tasks; with none, the claim returns what there is and the fetcher
 /// waits for a notification or the poll interval. Never stops in the middle of a claim,
 /// so that nothing it claimed is left unseen.
-pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>) {
+///
+/// A worker runs [`CLAIMS_IN_FLIGHT`](super::CLAIMS_IN_FLIGHT) of these; the one that
+/// `renews` also renews the leases of the waiting tasks.
+pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>, renews: bool) {
     let settings = &state.settings;
     let refill_at = (settings.local_queue / 2).min(settings.batch_size).max(1);
     let mut errors = 0u32;
@@ -29,7 +32,7 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>)
     loop {
         // Wait for room, renewing the waiting tasks' leases meanwhile.
         let permits = loop {
-            if Instant::now() >= next_renewal {
+            if renews && Instant::now() >= next_renewal {
                 renew_waiting(&state).await;
                 next_renewal = Instant::now() + renew_every;
             }
@@ -90,7 +93,8 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>)
         };
         state.room.add_permits(wanted - got);
         if got == wanted {
-            continue; // more may be waiting
+            state.wake.notify_one(); // more may be waiting: the other fetcher may claim too
+            continue;
         }
         let pause = if errors > 0 {
             (settings.poll_interval * errors).min(Duration::from_secs(5))

@@ -81,6 +81,11 @@ const DEFAULT_BATCH_SIZE: usize = 256;
 const DEFAULT_ACK_WINDOW: Duration = Duration::from_millis(2);
 /// Default [`WorkerBuilder::ack_batch`].
 const DEFAULT_ACK_BATCH: usize = 512;
+/// Claim statements a worker has in flight at most: one refills while the other's rows
+/// are written, so the database works on two (it has more than one core).
+const CLAIMS_IN_FLIGHT: usize = 2;
+/// Acknowledgement batches a worker writes at once at most, for the same reason.
+const ACKS_IN_FLIGHT: usize = 2;
 
 impl fmt::Debug for WorkerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -370,8 +375,14 @@ async fn run(state: Arc<State>, ack_queue: mpsc::UnboundedReceiver<acks::Ack>) {
     let (local_tx, mut local) = mpsc::unbounded_channel::<Held>();
     let listener = tokio::spawn(fetch::listen(state.clone()));
     let housekeeping = tokio::spawn(fetch::housekeeping(state.clone()));
-    let fetcher = tokio::spawn(fetch::fetch(state.clone(), local_tx));
-    let acknowledger = tokio::spawn(acks::acknowledge_batches(state.clone(), ack_queue));
+    let fetchers: Vec<_> = (0..CLAIMS_IN_FLIGHT)
+        .map(|i| tokio::spawn(fetch::fetch(state.clone(), local_tx.clone(), i == 0)))
+        .collect();
+    drop(local_tx);
+    let ack_queue = Arc::new(tokio::sync::Mutex::new(ack_queue));
+    let acknowledgers: Vec<_> = (0..ACKS_IN_FLIGHT)
+        .map(|_| tokio::spawn(acks::acknowledge_batches(state.clone(), ack_queue.clone())))
+        .collect();
     let mut running = JoinSet::new();
     let mut unclaimed = Vec::new();
     loop {
@@ -412,7 +423,9 @@ async fn run(state: Arc<State>, ack_queue: mpsc::UnboundedReceiver<acks::Ack>) {
     }
     // The fetcher stops at the shutdown signal, never in the middle of a claim: whatever
     // it claimed is in the local queue, and goes back.
-    let _ = fetcher.await;
+    for fetcher in fetchers {
+        let _ = fetcher.await;
+    }
     listener.abort();
     housekeeping.abort();
     while let Ok(held) = local.try_recv() {
@@ -431,8 +444,12 @@ async fn run(state: Arc<State>, ack_queue: mpsc::UnboundedReceiver<acks::Ack>) {
             }
         }
     }
-    let _ = state.acks.send(acks::Ack::Close);
-    let _ = acknowledger.await;
+    for _ in &acknowledgers {
+        let _ = state.acks.send(acks::Ack::Close);
+    }
+    for acknowledger in acknowledgers {
+        let _ = acknowledger.await;
+    }
 }
 
 /// Gives tasks of the local queue back at shutdown, their attempts uncounted. If the

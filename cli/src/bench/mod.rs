@@ -94,7 +94,7 @@ pub async fn run(admin: PgConnectOptions, mut args: Args) -> anyhow::Result<Exit
         args.budget = 8.0;
     }
     let modes = args.modes();
-    let options = crate::server::fresh_database(&admin, &args.database).await?;
+    let options = confluo_testkit::fresh_database(&admin, &args.database).await?;
     let max_finishers = *args.finishers.iter().max().unwrap_or(&1);
     let pool = PgPoolOptions::new()
         .max_connections(max_finishers as u32 + 2)

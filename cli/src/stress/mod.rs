@@ -154,7 +154,7 @@ async fn pool(
 
 /// Drops and creates the run's database, migrates it, and creates the harness's tables.
 async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result<PgConnectOptions> {
-    let options = crate::server::fresh_database(server, name).await?;
+    let options = confluo_testkit::fresh_database(server, name).await?;
     let engine = Engine::new(pool(&options, 2, "confluo-stress").await?);
     engine.migrate().await?;
     sqlx::raw_sql(
