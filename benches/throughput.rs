@@ -296,6 +296,9 @@ async fn latency(admin: &PgConnectOptions, args: &Args) -> anyhow::Result<()> {
     if let Ok(ms) = std::env::var("BENCH_ACK_WINDOW_MS") {
         worker = worker.ack_window(Duration::from_millis(ms.parse()?));
     }
+    if let Ok(n) = std::env::var("BENCH_ACK_BATCH") {
+        worker = worker.ack_batch(n.parse()?);
+    }
     let worker = worker
         .handler("fan", "plan", |t| async move {
             let n: usize = t.input_as()?;

@@ -168,7 +168,11 @@ pub(crate) async fn renew_lease(
 
 /// Extends the leases of many held attempts in one statement (a worker's local queue);
 /// returns those it extended, each with its execution's status (the others lost their
-/// lease).
+/// lease, or were being written by another transaction).
+///
+/// Rows another transaction holds are skipped, not waited for: a task that left the
+/// local queue meanwhile may be in an acknowledgement batch, which locks its rows in an
+/// order of its own, and waiting could deadlock; such a task needs no renewal.
 pub(crate) async fn renew_leases(
     conn: &mut PgConnection,
     ids: &[TaskId],
@@ -176,9 +180,17 @@ pub(crate) async fn renew_leases(
     lease_ms: i64,
 ) -> Result<Vec<(TaskId, String)>> {
     Ok(sqlx::query_as(
-        "UPDATE confluo.task t SET lease_expires_at = now() + $3 * interval '1 millisecond'
-           FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
-          WHERE t.id = h.id AND t.lease_token = h.token AND t.status = 'running'
+        "WITH held AS (
+            SELECT x.id FROM confluo.task x
+              JOIN unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+                ON x.id = h.id AND x.lease_token = h.token
+             WHERE x.status = 'running'
+             ORDER BY x.id
+               FOR NO KEY UPDATE OF x SKIP LOCKED
+         )
+         UPDATE confluo.task t SET lease_expires_at = now() + $3 * interval '1 millisecond'
+           FROM held
+          WHERE t.id = held.id
       RETURNING t.id, (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)",
     )
     .bind(ids)

@@ -45,6 +45,9 @@ pub(super) enum Ack {
     Close,
 }
 
+/// Endings of a batch other than completions acknowledged at once, at most.
+const FAILURES_AT_ONCE: usize = 4;
+
 /// How many times an acknowledgement is repeated on connection errors before the task is
 /// left to its lease.
 const ACK_TRIES: usize = 8;
@@ -124,12 +127,15 @@ async fn flush(state: &State, batch: Vec<(Held, Ending)>) {
         // Nothing else running: this batch is likely some group's last arrivals.
         complete_batch(state, &completions, state.idle()).await;
     }
-    join_all(
-        others
-            .iter()
-            .map(|(task, ending)| acknowledge(state, task, ending)),
-    )
-    .await;
+    // A few at a time: each takes a connection of the pool.
+    for chunk in others.chunks(FAILURES_AT_ONCE) {
+        join_all(
+            chunk
+                .iter()
+                .map(|(task, ending)| acknowledge(state, task, ending)),
+        )
+        .await;
+    }
     drop(batch);
 }
 
@@ -158,17 +164,9 @@ async fn complete_batch(state: &State, items: &[(&ClaimedTask, Value)], likely_l
             Err(error) => {
                 // Not expected (outputs were checked): acknowledge them one by one.
                 tracing::warn!(%error, "acknowledging a batch failed; acknowledging singly");
-                let endings: Vec<Ending> = items
-                    .iter()
-                    .map(|(_, output)| Ending::Returned(Ok(output.clone())))
-                    .collect();
-                join_all(
-                    items
-                        .iter()
-                        .zip(&endings)
-                        .map(|((task, _), ending)| acknowledge(state, task, ending)),
-                )
-                .await;
+                for (task, output) in items {
+                    acknowledge(state, task, &Ending::Returned(Ok(output.clone()))).await;
+                }
                 return;
             }
         }
