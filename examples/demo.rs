@@ -82,7 +82,6 @@ async fn main() -> anyhow::Result<()> {
             .worker()
             .id(format!("demo-worker-{i}"))
             .concurrency(32)
-            .batch_size(32)
             .poll_interval(Duration::from_millis(100))
             .handler("demo-orders", "plan", |t| async move {
                 let n: u64 = t.input_as()?;

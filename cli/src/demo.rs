@@ -178,7 +178,6 @@ pub async fn start_worker(
         .worker()
         .id(id)
         .concurrency(32)
-        .batch_size(32)
         .handler(WORKFLOW, "plan", |t| async move {
             let n: u64 = t.input_as()?;
             Ok::<_, TaskError>((0..n).collect::<Vec<_>>())
