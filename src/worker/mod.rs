@@ -160,6 +160,11 @@ impl WorkerBuilder {
     /// (running, waiting, or awaiting their acknowledgement); other workers claim the
     /// rest. Lower it when tasks are slow and several workers share a small backlog
     /// (with `0`, a worker claims only for its free handler slots).
+    ///
+    /// **Crashes**: a worker that dies (SIGKILL, lost host) leaves every task it held
+    /// leased until the lease expires; they are then reclaimed, each as a failed attempt,
+    /// also those that were still waiting and never ran. Where workers die often, keep
+    /// the local queue short or give stages more attempts.
     pub fn local_queue(mut self, n: usize) -> Self {
         self.settings.local_queue = n;
         self
