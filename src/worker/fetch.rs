@@ -41,7 +41,7 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>,
                 permits = state.room.clone().acquire_many_owned(refill_at as u32) => {
                     break permits.expect("room never closes");
                 }
-                _ = tokio::time::sleep_until(next_renewal) => {}
+                _ = tokio::time::sleep_until(next_renewal), if renews => {}
             }
         };
         permits.forget();
