@@ -98,21 +98,31 @@ impl Engine {
         limit: usize,
         lease: Duration,
     ) -> Result<Vec<ClaimedTask>> {
-        self.claim_matching(worker_id, limit, lease, None).await
+        self.claim_matching(worker_id, limit, lease, None, false)
+            .await
     }
 
-    /// Claims up to `limit` due tasks of the given handlers (`None`: any) for `lease`.
+    /// Claims up to `limit` due tasks of the given handlers (`None`: any) for `lease`;
+    /// `queued`: for a local queue, whose holder reports later which ones it started.
     pub(crate) async fn claim_matching(
         &self,
         worker_id: &str,
         limit: usize,
         lease: Duration,
         handlers: Option<&HandlerKeys>,
+        queued: bool,
     ) -> Result<Vec<ClaimedTask>> {
         let mut conn = self.pool().acquire().await?;
         let started = Instant::now();
-        let rows =
-            tasks::claim(&mut conn, worker_id, limit as i64, millis(lease), handlers).await?;
+        let rows = tasks::claim(
+            &mut conn,
+            worker_id,
+            limit as i64,
+            millis(lease),
+            handlers,
+            queued,
+        )
+        .await?;
         metrics::claimed(started, rows.iter().map(|r| r.waited));
         rows.into_iter()
             .map(|r| {
@@ -154,21 +164,23 @@ impl Engine {
         tasks::explain_claim(&mut conn, limit as i64, &keys).await
     }
 
-    /// Extends the leases of attempts held in a worker's local queue, in one statement.
-    /// Returns the tasks it extended whose execution is no longer running.
+    /// Extends the leases of attempts held in a worker's local queue, and of those it
+    /// started since its last renewal (`true`: their starts are recorded), in one
+    /// statement. Returns the tasks it extended, with whether their execution still runs.
     pub(crate) async fn renew_leases(
         &self,
-        held: &[(TaskId, LeaseToken)],
+        held: &[(TaskId, LeaseToken, bool)],
         lease: Duration,
-    ) -> Result<Vec<TaskId>> {
-        let ids: Vec<TaskId> = held.iter().map(|(id, _)| *id).collect();
-        let tokens: Vec<LeaseToken> = held.iter().map(|(_, lease)| *lease).collect();
+    ) -> Result<Vec<(TaskId, bool)>> {
+        let ids: Vec<TaskId> = held.iter().map(|h| h.0).collect();
+        let tokens: Vec<LeaseToken> = held.iter().map(|h| h.1).collect();
+        let started: Vec<bool> = held.iter().map(|h| h.2).collect();
         let mut conn = self.pool().acquire().await?;
-        let renewed = tasks::renew_leases(&mut conn, &ids, &tokens, millis(lease)).await?;
+        let renewed =
+            tasks::renew_leases(&mut conn, &ids, &tokens, &started, millis(lease)).await?;
         Ok(renewed
             .into_iter()
-            .filter(|(_, status)| status != "running")
-            .map(|(id, _)| id)
+            .map(|(id, status)| (id, status == "running"))
             .collect())
     }
 

@@ -439,3 +439,125 @@ async fn renewals_and_acknowledgement_batches_never_deadlock() {
     .unwrap();
     assert_eq!(deadlocks, 0, "deadlocks detected in the test database");
 }
+
+/// A worker that dies (its runtime dropped: no give-back, no acknowledgement, its
+/// connections gone) leaves its tasks leased. Once the leases expire, the attempts whose
+/// handlers had started (reported by the worker's renewal) are charged; the tasks that
+/// only waited in its local queue go back uncounted, except those that already used
+/// their budget of uncounted expiries (a task that kills its worker before its start can
+/// be reported must still run out of attempts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_charges_only_the_attempts_that_started() {
+    let db = TestDb::new(4).await;
+    db.register(&Workflow::new("crash", 1).map("item")).await;
+    let items: Vec<u32> = (0..20).collect();
+    let id = db.engine.start("crash", &items).await.unwrap();
+    // Even members have used up their uncounted expiries.
+    sqlx::query("UPDATE confluo.task SET held_expiries = 3 WHERE item_index % 2 = 0")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let started_items = Arc::new(std::sync::Mutex::new(Vec::<usize>::new()));
+    let (crash_tx, crash_rx) = std::sync::mpsc::channel::<()>();
+    let options = db.options();
+    let seen = started_items.clone();
+    let process = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let worker = runtime.block_on(async move {
+            let pool = PgPoolOptions::new()
+                .max_connections(4)
+                .connect_with(options)
+                .await
+                .unwrap();
+            Engine::new(pool)
+                .worker()
+                .concurrency(2)
+                .local_queue(8)
+                .lease(Duration::from_millis(600))
+                .poll_interval(Duration::from_millis(50))
+                .handler("crash", "item", move |task| {
+                    seen.lock().unwrap().push(task.item_index() as usize);
+                    std::future::pending::<Result<(), TaskError>>()
+                })
+                .start()
+                .await
+                .unwrap()
+        });
+        crash_rx.recv().unwrap();
+        // No shutdown: the worker's tasks are dropped where they stand, as in a SIGKILL.
+        std::mem::forget(worker);
+        runtime.shutdown_background();
+    });
+
+    let started_in_db = || async {
+        sqlx::query_scalar::<_, Vec<i32>>(
+            "SELECT coalesce(array_agg(item_index ORDER BY item_index), '{}') FROM confluo.task
+              WHERE status = 'running' AND started",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    assert!(
+        eventually(WAIT, || async { started_in_db().await.len() == 2 }).await,
+        "the renewal reports the two started handlers"
+    );
+    let mut started: Vec<i32> = started_items
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|i| *i as i32)
+        .collect();
+    started.sort_unstable();
+    assert_eq!(started_in_db().await, started);
+    let held: Vec<i32> = sqlx::query_scalar(
+        "SELECT item_index FROM confluo.task WHERE status = 'running' ORDER BY item_index",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(held.len(), 10, "2 running and 8 waiting: {held:?}");
+
+    crash_tx.send(()).unwrap();
+    process.join().unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut reclaimed = 0;
+    while reclaimed < 10 {
+        let n = db.engine.reclaim_expired(100).await.unwrap();
+        if n == 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        reclaimed += n;
+    }
+    assert_eq!(reclaimed, 10);
+
+    let rows: Vec<(i32, String, i32, i32, i32)> = sqlx::query_as(
+        "SELECT item_index, status, attempt, held_expiries, jsonb_array_length(errors)
+           FROM confluo.task WHERE execution_id = $1 ORDER BY item_index",
+    )
+    .bind(id)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    for (item, status, attempt, held_expiries, errors) in rows {
+        assert_eq!(status, "pending", "item {item}: every task is due again");
+        let budget_used = if item % 2 == 0 { 3 } else { 0 };
+        let expected = if started.contains(&item) || (held.contains(&item) && item % 2 == 0) {
+            (1, budget_used, 1) // charged, as any failed attempt
+        } else if held.contains(&item) {
+            (0, 1, 0) // waited in the local queue: given back uncounted
+        } else {
+            (0, budget_used, 0) // never claimed
+        };
+        assert_eq!(
+            (attempt, held_expiries, errors),
+            expected,
+            "item {item} (started: {started:?}, held: {held:?})"
+        );
+    }
+}

@@ -142,6 +142,7 @@ pub(crate) async fn requeue(
             UPDATE confluo.task t
                SET status = 'pending',
                    attempt = CASE WHEN p.status = 'dead' THEN 0 ELSE t.attempt END,
+                   held_expiries = CASE WHEN p.status = 'dead' THEN 0 ELSE t.held_expiries END,
                    reprocessed = t.reprocessed + (p.status = 'dead')::int,
                    run_at = now(), lease_token = NULL, lease_expires_at = NULL,
                    worker_id = NULL, started_at = NULL, finished_at = NULL, output = NULL

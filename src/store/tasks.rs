@@ -81,14 +81,17 @@ const PICK_BY_HANDLER: &str = "SELECT c.id
               ORDER BY c.priority DESC, c.run_at
               LIMIT $1";
 
-/// The claiming UPDATE, around a `picked` CTE of task ids (already locked).
-fn claim_sql(picked: &str) -> String {
+/// The claiming UPDATE, around a `picked` CTE of task ids (already locked). `queued`:
+/// the claimer holds the tasks in a local queue before it runs them, and reports their
+/// starts later (see [`renew_leases`]); otherwise the claim is the start.
+fn claim_sql(picked: &str, queued: bool) -> String {
+    let started = if queued { "false" } else { "true" };
     format!(
         "WITH picked AS ({picked})
          UPDATE confluo.task t
             SET status = 'running', attempt = t.attempt + 1, lease_token = gen_random_uuid(),
                 lease_expires_at = now() + $2 * interval '1 millisecond',
-                worker_id = $3, started_at = now()
+                worker_id = $3, started_at = now(), started = {started}
            FROM picked
           WHERE t.id = picked.id
       RETURNING {CLAIMED_COLUMNS}"
@@ -99,13 +102,16 @@ fn claim_sql(picked: &str) -> String {
 /// due, locking them `FOR UPDATE SKIP LOCKED`: concurrent claimers never wait for each
 /// other and never take the same task. `handlers` restricts the claim to what the caller
 /// can run (one index range per handler, merged by priority and due time, so the plan
-/// does not depend on statistics); `None` claims anything.
+/// does not depend on statistics); `None` claims anything. `queued`: the tasks wait in a
+/// worker's local queue before they run (their attempts count as started only once the
+/// worker says so; see [`fail_counting_down`]).
 pub(crate) async fn claim(
     conn: &mut PgConnection,
     worker_id: &str,
     limit: i64,
     lease_ms: i64,
     handlers: Option<&HandlerKeys>,
+    queued: bool,
 ) -> Result<Vec<ClaimedRow>> {
     let sql = match handlers {
         None => claim_sql(
@@ -114,8 +120,9 @@ pub(crate) async fn claim(
               ORDER BY priority DESC, run_at
               LIMIT $1
               FOR UPDATE SKIP LOCKED",
+            queued,
         ),
-        Some(_) => claim_sql(PICK_BY_HANDLER),
+        Some(_) => claim_sql(PICK_BY_HANDLER, queued),
     };
     let query = sqlx::query_as(&sql)
         .bind(limit)
@@ -135,7 +142,7 @@ pub(crate) async fn explain_claim(
     limit: i64,
     handlers: &HandlerKeys,
 ) -> Result<String> {
-    let sql = format!("EXPLAIN {}", claim_sql(PICK_BY_HANDLER));
+    let sql = format!("EXPLAIN {}", claim_sql(PICK_BY_HANDLER, true));
     let lines: Vec<String> = sqlx::query_scalar(&sql)
         .bind(limit)
         .bind(60_000_i64)
@@ -155,7 +162,8 @@ pub(crate) async fn renew_lease(
     lease_ms: i64,
 ) -> Result<Option<String>> {
     Ok(sqlx::query_scalar(
-        "UPDATE confluo.task t SET lease_expires_at = now() + $3 * interval '1 millisecond'
+        "UPDATE confluo.task t
+            SET lease_expires_at = now() + $3 * interval '1 millisecond', started = true
           WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
       RETURNING (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)",
     )
@@ -166,9 +174,11 @@ pub(crate) async fn renew_lease(
     .await?)
 }
 
-/// Extends the leases of many held attempts in one statement (a worker's local queue);
-/// returns those it extended, each with its execution's status (the others lost their
-/// lease, or were being written by another transaction).
+/// Extends the leases of many held attempts in one statement (a worker's local queue and
+/// the attempts it started since its last renewal); `started[i]` reports that the
+/// handler of `ids[i]` started, which makes a later lease expiry cost that task an
+/// attempt. Returns the tasks it extended, each with its execution's status (the others
+/// lost their lease, or were being written by another transaction).
 ///
 /// Rows another transaction holds are skipped, not waited for: a task that left the
 /// local queue meanwhile may be in an acknowledgement batch, which locks its rows in an
@@ -177,18 +187,21 @@ pub(crate) async fn renew_leases(
     conn: &mut PgConnection,
     ids: &[TaskId],
     tokens: &[LeaseToken],
+    started: &[bool],
     lease_ms: i64,
 ) -> Result<Vec<(TaskId, String)>> {
     Ok(sqlx::query_as(
         "WITH held AS (
-            SELECT x.id FROM confluo.task x
-              JOIN unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+            SELECT x.id, h.started FROM confluo.task x
+              JOIN unnest($1::uuid[], $2::uuid[], $4::bool[]) AS h(id, token, started)
                 ON x.id = h.id AND x.lease_token = h.token
              WHERE x.status = 'running'
              ORDER BY x.id
                FOR NO KEY UPDATE OF x SKIP LOCKED
          )
-         UPDATE confluo.task t SET lease_expires_at = now() + $3 * interval '1 millisecond'
+         UPDATE confluo.task t
+            SET lease_expires_at = now() + $3 * interval '1 millisecond',
+                started = t.started OR held.started
            FROM held
           WHERE t.id = held.id
       RETURNING t.id, (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)",
@@ -196,6 +209,7 @@ pub(crate) async fn renew_leases(
     .bind(ids)
     .bind(tokens)
     .bind(lease_ms)
+    .bind(started)
     .fetch_all(conn)
     .await?)
 }
@@ -241,12 +255,21 @@ pub(crate) struct FailedRow {
     pub remaining: Option<i32>,
 }
 
+/// Lease expiries a task may have before any start was reported, each given back
+/// uncounted, before expiries count as attempts again: a worker that dies takes its
+/// local queue's leases with it, and those tasks never ran; but a task that kills its
+/// worker before the worker can report its start (within a second) must still reach
+/// its attempt limit and be dead-lettered, not loop forever.
+pub(crate) const HELD_EXPIRIES: i32 = 3;
+
 /// Records a failed attempt: schedules a retry with backoff (from the policy persisted on
 /// the row), or dead-letters the task when attempts are exhausted or the error is
 /// permanent, or cancels it when its execution has stopped. A terminal outcome decrements
 /// the group in the same statement. With `only_if_expired`, the lease must have expired
 /// (reclaiming), so a renewal that won the race keeps the attempt alive, and the attempt's
-/// token is cleared: its late acknowledgements are `LeaseLost`, not replays.
+/// token is cleared: its late acknowledgements are `LeaseLost`, not replays. A reclaimed
+/// attempt whose start was never reported (it waited in a dead worker's local queue) is
+/// given back uncounted and due at once, at most [`HELD_EXPIRIES`] times per task.
 pub(crate) async fn fail_counting_down(
     conn: &mut PgConnection,
     id: TaskId,
@@ -266,13 +289,17 @@ pub(crate) async fn fail_counting_down(
          ), failed AS (
             UPDATE confluo.task t
                SET status = v.next_status,
-                   run_at = CASE WHEN v.next_status = 'pending'
+                   attempt = CASE WHEN v.unstarted THEN t.attempt - 1 ELSE t.attempt END,
+                   held_expiries = t.held_expiries + CASE WHEN v.unstarted THEN 1 ELSE 0 END,
+                   run_at = CASE WHEN v.unstarted THEN now()
+                       WHEN v.next_status = 'pending'
                        THEN now() + least(t.backoff_max_ms::float8,
                                           t.backoff_base_ms * power(2::float8, greatest(t.attempt - 1, 0)))
                                   * (1 - t.backoff_jitter * random()) * interval '1 millisecond'
                        ELSE t.run_at END,
-                   errors = t.errors || jsonb_build_array(jsonb_build_object(
-                       'attempt', t.attempt, 'error', $3::text, 'at', now())),
+                   errors = CASE WHEN v.unstarted THEN t.errors
+                       ELSE t.errors || jsonb_build_array(jsonb_build_object(
+                           'attempt', t.attempt, 'error', $3::text, 'at', now())) END,
                    finished_at = CASE WHEN v.next_status = 'pending' THEN NULL ELSE now() END,
                    lease_expires_at = NULL,
                    -- A reclaimed attempt acknowledged nothing, so nothing of it can be
@@ -280,9 +307,14 @@ pub(crate) async fn fail_counting_down(
                    lease_token = CASE WHEN $5 THEN NULL ELSE t.lease_token END
               FROM (SELECT CASE
                         WHEN EXISTS (SELECT 1 FROM stopped) THEN 'cancelled'
+                        WHEN u.unstarted THEN 'pending'
                         WHEN $4 OR y.attempt >= y.max_attempts THEN 'dead'
-                        ELSE 'pending' END AS next_status
-                      FROM confluo.task y WHERE y.id = $1) v
+                        ELSE 'pending' END AS next_status,
+                        u.unstarted AND NOT EXISTS (SELECT 1 FROM stopped) AS unstarted
+                      FROM confluo.task y
+                     CROSS JOIN LATERAL (SELECT $5 AND NOT y.started
+                                                AND y.held_expiries < $6 AS unstarted) u
+                     WHERE y.id = $1) v
              WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
                AND (NOT $5 OR t.lease_expires_at < now())
          RETURNING t.group_id, t.stage_index, t.item_index, t.status, t.run_at, t.attempt
@@ -303,6 +335,7 @@ pub(crate) async fn fail_counting_down(
     .bind(error)
     .bind(permanent)
     .bind(only_if_expired)
+    .bind(HELD_EXPIRIES)
     .fetch_optional(conn)
     .await?)
 }

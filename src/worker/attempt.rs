@@ -23,7 +23,17 @@ pub(super) async fn run(state: Arc<State>, held: Held, slot: OwnedSemaphorePermi
         }
         return;
     }
+    state
+        .unreported
+        .lock()
+        .expect("unreported set poisoned")
+        .insert(task.id, task.lease);
     let ending = run_handler(&state, &held).await;
+    state
+        .unreported
+        .lock()
+        .expect("unreported set poisoned")
+        .remove(&task.id);
     if state.settings.ack_window.is_zero() {
         // Acknowledged here, in the slot: handlers cannot outrun their acknowledgements.
         acks::acknowledge(&state, &held.task, &ending).await;

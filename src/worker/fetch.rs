@@ -58,7 +58,13 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>,
         let wanted = refill_at + extra;
         let claimed = state
             .engine
-            .claim_matching(&settings.id, wanted, settings.lease, Some(&state.keys))
+            .claim_matching(
+                &settings.id,
+                wanted,
+                settings.lease,
+                Some(&state.keys),
+                true,
+            )
             .await;
         let got = match claimed {
             Ok(tasks) => {
@@ -109,29 +115,42 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>,
     }
 }
 
-/// Extends the leases of the tasks waiting in the local queue, in one statement, and
-/// marks those whose execution stopped.
+/// Extends the leases of the tasks waiting in the local queue, and of the attempts started
+/// since the last renewal (recording that they started), in one statement; marks the
+/// waiting tasks whose execution stopped.
 async fn renew_waiting(state: &State) {
-    let held: Vec<_> = state
+    let mut held: Vec<_> = state
         .waiting
         .lock()
         .expect("waiting set poisoned")
         .iter()
-        .map(|(id, w)| (*id, w.lease))
+        .map(|(id, w)| (*id, w.lease, false))
         .collect();
+    held.extend(
+        state
+            .unreported
+            .lock()
+            .expect("unreported set poisoned")
+            .iter()
+            .map(|(id, lease)| (*id, *lease, true)),
+    );
     if held.is_empty() {
         return;
     }
     match state.engine.renew_leases(&held, state.settings.lease).await {
-        Ok(stopped) if !stopped.is_empty() => {
+        Ok(renewed) => {
+            let mut unreported = state.unreported.lock().expect("unreported set poisoned");
+            for (id, _) in &renewed {
+                unreported.remove(id);
+            }
+            drop(unreported);
             let mut waiting = state.waiting.lock().expect("waiting set poisoned");
-            for id in stopped {
-                if let Some(w) = waiting.get_mut(&id) {
+            for (id, _) in renewed.iter().filter(|(_, running)| !running) {
+                if let Some(w) = waiting.get_mut(id) {
                     w.stopped = true;
                 }
             }
         }
-        Ok(_) => {}
         Err(error) => {
             tracing::warn!(%error, tasks = held.len(), "renewing the local queue's leases failed")
         }

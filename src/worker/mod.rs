@@ -162,9 +162,12 @@ impl WorkerBuilder {
     /// (with `0`, a worker claims only for its free handler slots).
     ///
     /// **Crashes**: a worker that dies (SIGKILL, lost host) leaves every task it held
-    /// leased until the lease expires; they are then reclaimed, each as a failed attempt,
-    /// also those that were still waiting and never ran. Where workers die often, keep
-    /// the local queue short or give stages more attempts.
+    /// leased until the lease expires; they are then reclaimed. Those whose handler had
+    /// started count a failed attempt, as any attempt would; those that were still waiting
+    /// go back uncounted. The worker reports the starts with its next renewal (at most a
+    /// second later): a task whose handler started less than that before the crash is
+    /// given back uncounted too, up to 3 times per task, and counted from then on, so that
+    /// a task that kills its worker at once still runs out of attempts.
     pub fn local_queue(mut self, n: usize) -> Self {
         self.settings.local_queue = n;
         self
@@ -279,6 +282,7 @@ impl WorkerBuilder {
             room: Arc::new(Semaphore::new(settings.concurrency + settings.local_queue)),
             slots: Arc::new(Semaphore::new(settings.concurrency)),
             waiting: Mutex::new(HashMap::new()),
+            unreported: Mutex::new(HashMap::new()),
             acks,
             settings,
         });
@@ -336,6 +340,10 @@ struct State {
     /// Claimed tasks waiting in the local queue, whose leases the fetcher renews; true
     /// once a renewal found the task's execution stopped.
     waiting: Mutex<HashMap<TaskId, Waiting>>,
+    /// Attempts started since the last renewal and still running, whose starts the
+    /// database does not know yet: the next renewal reports them (a lease that expires
+    /// after that costs the task an attempt; before it, the task is given back uncounted).
+    unreported: Mutex<HashMap<TaskId, LeaseToken>>,
     /// Endings on their way to the acknowledger.
     acks: mpsc::UnboundedSender<acks::Ack>,
 }
