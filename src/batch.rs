@@ -3,6 +3,7 @@
 //! arrivals.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use serde_json::Value;
 use sqlx::types::Json;
@@ -13,8 +14,23 @@ use crate::engine::Engine;
 use crate::error::{retry_conflicts, Result};
 use crate::fanin::{self, FanInStrategy};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
-use crate::queue::{ClaimedTask, Outcome};
+use crate::queue::{self, ClaimedTask, Outcome};
 use crate::store::completions;
+use crate::store::tasks::{self, HandlerKeys};
+
+/// A worker's standing claim on the stages a batch enters when it fires their groups:
+/// as many of their members that its handlers run as it has room for, for `lease`.
+pub(crate) struct HandOff<'a> {
+    pub worker_id: &'a str,
+    pub handlers: &'a HandlerKeys,
+    pub lease: Duration,
+    /// Takes room for up to `n` tasks without waiting; returns how many it took.
+    pub take_room: &'a (dyn Fn(usize) -> usize + Sync),
+    /// Gives back room taken and not used.
+    pub give_back: &'a (dyn Fn(usize) + Sync),
+    /// Tasks one hand-off claims at most.
+    pub most: usize,
+}
 
 impl Engine {
     /// Records several successful attempts in one transaction. Each group (or stripe) is
@@ -36,34 +52,38 @@ impl Engine {
     /// # Cancel safety
     /// One transaction: dropped before the commit, nothing is recorded.
     pub async fn complete_batch(&self, items: &[(&ClaimedTask, Value)]) -> Result<Vec<Outcome>> {
-        self.complete_batch_hinted(items, false).await
+        Ok(self.complete_batch_hinted(items, false, None).await?.0)
     }
 
     /// [`complete_batch`](Self::complete_batch), told whether the batch is likely to hold
     /// a group's last arrival (the worker has nothing else running): then it skips the
     /// single statement that refuses such a batch and goes straight to the transaction
-    /// that can fire. Only the cost differs.
+    /// that can fire. Only the cost differs. With a `hand_off`, the firing transaction
+    /// also claims members of the stages it entered for the worker (returned second).
     pub(crate) async fn complete_batch_hinted(
         &self,
         items: &[(&ClaimedTask, Value)],
         likely_last: bool,
-    ) -> Result<Vec<Outcome>> {
+        hand_off: Option<&HandOff<'_>>,
+    ) -> Result<(Vec<Outcome>, Vec<ClaimedTask>)> {
         for (task, output) in items {
             self.check_output(task, output).await?;
         }
         let started = std::time::Instant::now();
-        let outcomes = retry_conflicts(|| self.complete_batch_once(items, likely_last)).await?;
+        let (outcomes, handed) =
+            retry_conflicts(|| self.complete_batch_once(items, likely_last, hand_off)).await?;
         for outcome in &outcomes {
             crate::metrics::acknowledged(outcome, started);
         }
-        Ok(outcomes)
+        Ok((outcomes, handed))
     }
 
     async fn complete_batch_once(
         &self,
         items: &[(&ClaimedTask, Value)],
         likely_last: bool,
-    ) -> Result<Vec<Outcome>> {
+        hand_off: Option<&HandOff<'_>>,
+    ) -> Result<(Vec<Outcome>, Vec<ClaimedTask>)> {
         let ids: Vec<TaskId> = items.iter().map(|(t, _)| t.id).collect();
         let tokens: Vec<LeaseToken> = items.iter().map(|(t, _)| t.lease).collect();
         let outputs: Vec<Json<&Value>> = items.iter().map(|(_, o)| Json(o)).collect();
@@ -86,7 +106,10 @@ impl Engine {
         if counting
             && completions::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await?
         {
-            return Ok(vec![Outcome::Completed { fired: false }; items.len()]);
+            return Ok((
+                vec![Outcome::Completed { fired: false }; items.len()],
+                Vec::new(),
+            ));
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let done = completions::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
@@ -98,12 +121,58 @@ impl Engine {
                 (m.execution_id, group, m.stage_index)
             })
             .collect();
-        let fired_groups = if last.is_empty() {
-            HashSet::new()
+        let fired = if last.is_empty() {
+            dispatch::Fired::default()
         } else {
             dispatch::fire_many(self, &mut tx, &last).await?
         };
-        tx.commit().await?;
+        let handed = match hand_off {
+            Some(h) if !fired.entered.is_empty() => {
+                // Room is taken only now, by the batch that fires: concurrent batches
+                // that fire nothing leave it to the one that does.
+                let room = (h.take_room)(h.most);
+                let rows = if room == 0 {
+                    Ok(Vec::new())
+                } else {
+                    tasks::claim_entered(
+                        &mut tx,
+                        h.worker_id,
+                        room as i64,
+                        queue::millis(h.lease),
+                        h.handlers,
+                        &fired.entered,
+                    )
+                    .await
+                };
+                match rows {
+                    Ok(rows) => {
+                        (h.give_back)(room - rows.len());
+                        Some((h, rows))
+                    }
+                    Err(e) => {
+                        (h.give_back)(room);
+                        return Err(e);
+                    }
+                }
+            }
+            _ => None,
+        };
+        if let Err(e) = tx.commit().await {
+            if let Some((h, rows)) = &handed {
+                (h.give_back)(rows.len());
+            }
+            return Err(e.into());
+        }
+        let handed = match handed {
+            Some((h, rows)) => {
+                let n = rows.len();
+                // Unreadable rows (not expected) stay claimed, unstarted, until their
+                // leases expire; they come back uncounted.
+                queue::claimed_tasks(rows).inspect_err(|_| (h.give_back)(n))?
+            }
+            None => Vec::new(),
+        };
+        let fired_groups = fired.groups;
         drop(conn); // explaining a no-match may need the pool's only connection
 
         // `fired` goes to the batch's last member of each group that fired.
@@ -124,6 +193,6 @@ impl Engine {
                 None => self.explain_no_match(task.id, task.lease).await?,
             };
         }
-        Ok(outcomes)
+        Ok((outcomes, handed))
     }
 }

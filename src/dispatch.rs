@@ -25,23 +25,32 @@ pub(crate) async fn fire(
     transition(engine, conn, execution_id, group_id, stage_index, false).await
 }
 
+/// What [`fire_many`] did.
+#[derive(Debug, Default)]
+pub(crate) struct Fired {
+    /// The groups it fired (the others had fired already, or their execution stopped).
+    pub groups: HashSet<GroupId>,
+    /// The groups of the stages it entered that have members to run.
+    pub entered: Vec<GroupId>,
+}
+
 /// [`fire`] for many groups that reached zero in one transaction (a batch of
 /// acknowledgements), with one statement to lock their executions and set their fired
 /// markers, and one to complete the executions whose last stage they were. Each entry is
-/// `(execution, group, stage_index)`. Returns the groups it fired.
+/// `(execution, group, stage_index)`.
 pub(crate) async fn fire_many(
     engine: &Engine,
     conn: &mut PgConnection,
     arrivals: &[(ExecutionId, GroupId, i32)],
-) -> Result<HashSet<GroupId>> {
+) -> Result<Fired> {
     let executions: Vec<ExecutionId> = arrivals.iter().map(|a| a.0).collect();
     let groups: Vec<GroupId> = arrivals.iter().map(|a| a.1).collect();
     let stage_of: HashMap<GroupId, i32> = arrivals.iter().map(|a| (a.1, a.2)).collect();
     let rows = executions::lock_and_mark_fired_many(conn, &executions, &groups).await?;
-    let mut fired = HashSet::new();
+    let mut fired = Fired::default();
     let (mut completed, mut stages, mut outputs) = (Vec::new(), Vec::new(), Vec::new());
     for row in rows.into_iter().filter(|r| r.fired) {
-        fired.insert(row.group_id);
+        fired.groups.insert(row.group_id);
         let workflow = engine
             .definition(&mut *conn, &row.workflow_name, row.workflow_version)
             .await?;
@@ -53,7 +62,7 @@ pub(crate) async fn fire_many(
             continue;
         }
         let kind = workflow.stages()[index].kind().as_str();
-        enter(
+        let entered = enter(
             conn,
             row.execution_id,
             &workflow,
@@ -62,6 +71,7 @@ pub(crate) async fn fire_many(
             row.fan_in.parse()?,
         )
         .await?;
+        fired.entered.extend(entered);
     }
     if !completed.is_empty() {
         executions::complete_many(conn, &completed, &stages, &outputs).await?;
@@ -124,7 +134,8 @@ async fn transition(
 /// Enters stage `index`, fed by `previous` (its group and kind; `None` for the first
 /// stage). Its group uses the stage's fan-in strategy, else `default_fan_in`. An empty
 /// map fires at once and the next stage is entered in the same transaction; past the
-/// last stage the execution completes.
+/// last stage the execution completes. Returns the group of the stage it entered with
+/// members (`None`: the execution completed).
 pub(crate) async fn enter(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
@@ -132,12 +143,12 @@ pub(crate) async fn enter(
     mut index: usize,
     mut previous: Option<(GroupId, &'static str)>,
     default_fan_in: FanInStrategy,
-) -> Result<()> {
+) -> Result<Option<GroupId>> {
     loop {
         let Some(stage) = workflow.stages().get(index) else {
             let (group, _) = previous.expect("a validated workflow has at least one stage");
             executions::complete(conn, execution_id, index as i32, group).await?;
-            return Ok(());
+            return Ok(None);
         };
         let source = match (stage.kind(), previous) {
             (StageKind::Map, None) => MemberSource::ExecutionInput,
@@ -158,7 +169,7 @@ pub(crate) async fn enter(
         )
         .await?;
         if width > 0 {
-            return Ok(());
+            return Ok(Some(group_id));
         }
         groups::mark_fired(conn, group_id).await?;
         previous = Some((group_id, stage.kind().as_str()));

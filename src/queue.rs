@@ -124,28 +124,7 @@ impl Engine {
         )
         .await?;
         metrics::claimed(started, rows.iter().map(|r| r.waited));
-        rows.into_iter()
-            .map(|r| {
-                Ok(ClaimedTask {
-                    id: r.id,
-                    execution_id: r.execution_id,
-                    group_id: r.group_id,
-                    workflow: r.workflow_name,
-                    workflow_version: r.workflow_version,
-                    stage_index: r.stage_index as usize,
-                    handler: r.handler,
-                    item_index: r.item_index as u32,
-                    attempt: r.attempt as u32,
-                    max_attempts: r.max_attempts as u32,
-                    lease: r.lease_token,
-                    lease_expires_at: r.lease_expires_at,
-                    timeout: Duration::from_millis(r.timeout_ms.max(0) as u64),
-                    input: r.input.map(|j| j.0),
-                    execution_status: ExecutionStatus::parse(&r.execution_status),
-                    fan_in: r.fan_in.parse()?,
-                })
-            })
-            .collect()
+        claimed_tasks(rows)
     }
 
     /// The plan PostgreSQL chooses for a worker's claim statement over these `(workflow,
@@ -538,6 +517,32 @@ struct Attempt<'a> {
     max_attempts: u32,
 }
 
-fn millis(d: Duration) -> i64 {
+pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The claimed rows as the tasks a worker runs.
+pub(crate) fn claimed_tasks(rows: Vec<tasks::ClaimedRow>) -> Result<Vec<ClaimedTask>> {
+    rows.into_iter()
+        .map(|r| {
+            Ok(ClaimedTask {
+                id: r.id,
+                execution_id: r.execution_id,
+                group_id: r.group_id,
+                workflow: r.workflow_name,
+                workflow_version: r.workflow_version,
+                stage_index: r.stage_index as usize,
+                handler: r.handler,
+                item_index: r.item_index as u32,
+                attempt: r.attempt as u32,
+                max_attempts: r.max_attempts as u32,
+                lease: r.lease_token,
+                lease_expires_at: r.lease_expires_at,
+                timeout: Duration::from_millis(r.timeout_ms.max(0) as u64),
+                input: r.input.map(|j| j.0),
+                execution_status: ExecutionStatus::parse(&r.execution_status),
+                fan_in: r.fan_in.parse()?,
+            })
+        })
+        .collect()
 }

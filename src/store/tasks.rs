@@ -136,6 +136,39 @@ pub(crate) async fn claim(
 }
 
 /// The plan of the claim statement for `handlers`, as `EXPLAIN` prints it (for tests and
+/// Claims, in the transaction that created them, up to `limit` due members of the groups
+/// just `entered` that the given handlers run: a batch that fires a group hands its next
+/// stage to the worker that fired it, sparing the notification and the claim of another
+/// round trip. Nobody else sees these rows before the commit, so nothing is skipped.
+pub(crate) async fn claim_entered(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    limit: i64,
+    lease_ms: i64,
+    handlers: &HandlerKeys,
+    entered: &[GroupId],
+) -> Result<Vec<ClaimedRow>> {
+    let sql = claim_sql(
+        "SELECT x.id FROM confluo.task x
+           JOIN unnest($4::text[], $5::text[]) AS k(workflow_name, handler)
+             ON x.workflow_name = k.workflow_name AND x.handler = k.handler
+          WHERE x.group_id = ANY($6) AND x.status = 'pending' AND x.run_at <= now()
+          ORDER BY x.priority DESC, x.run_at, x.group_id, x.item_index
+          LIMIT $1
+            FOR UPDATE OF x SKIP LOCKED",
+        true,
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(limit)
+        .bind(lease_ms)
+        .bind(worker_id)
+        .bind(&handlers.workflows)
+        .bind(&handlers.handlers)
+        .bind(entered)
+        .fetch_all(conn)
+        .await?)
+}
+
 /// diagnostics: it must be an index scan whatever the statistics).
 pub(crate) async fn explain_claim(
     conn: &mut PgConnection,

@@ -10,6 +10,7 @@ use tokio::sync::{mpsc, Mutex};
 use tokio::time::{sleep, timeout_at, Instant};
 
 use super::{Held, State};
+use crate::batch::HandOff;
 use crate::error::Error;
 use crate::handler::TaskError;
 use crate::queue::{ClaimedTask, Outcome};
@@ -144,8 +145,31 @@ async fn flush(state: &State, batch: Vec<(Held, Ending)>) {
 async fn complete_batch(state: &State, items: &[(&ClaimedTask, Value)], likely_last: bool) {
     let mut pause = Duration::from_millis(50);
     for _ in 0..ACK_TRIES {
-        match state.engine.complete_batch_hinted(items, likely_last).await {
-            Ok(outcomes) => {
+        // The next stages this batch fires are claimed in its transaction, as far as
+        // there is room (none once the worker stops).
+        let take_room = |n: usize| {
+            if state.shutdown.is_cancelled() {
+                0
+            } else {
+                state.room.try_take(1, n)
+            }
+        };
+        let give_back = |n: usize| state.room.give_back(n);
+        let hand_off = HandOff {
+            worker_id: &state.settings.id,
+            handlers: &state.keys,
+            lease: state.settings.lease,
+            take_room: &take_room,
+            give_back: &give_back,
+            most: state.settings.batch_size,
+        };
+        let result = state
+            .engine
+            .complete_batch_hinted(items, likely_last, Some(&hand_off))
+            .await;
+        match result {
+            Ok((outcomes, handed)) => {
+                state.hold(handed);
                 tracing::debug!(
                     completions = items.len(),
                     fired = outcomes

@@ -6,10 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgListener, PgPoolOptions};
-use tokio::sync::mpsc;
 use tokio::time::{sleep, Instant};
 
-use super::{Held, State, Waiting};
+use super::State;
 use crate::store;
 
 /// Claims into the local queue until shutdown. A refill waits until the worker has room
@@ -21,7 +20,7 @@ use crate::store;
 ///
 /// A worker runs [`CLAIMS_IN_FLIGHT`](super::CLAIMS_IN_FLIGHT) of these; the one that
 /// `renews` also renews the leases of the waiting tasks.
-pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>, renews: bool) {
+pub(super) async fn fetch(state: Arc<State>, renews: bool) {
     let settings = &state.settings;
     let refill_at = (settings.local_queue / 2).min(settings.batch_size).max(1);
     let mut errors = 0u32;
@@ -30,32 +29,20 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>,
     let renew_every = (settings.lease / 3).min(Duration::from_secs(1));
     let mut next_renewal = Instant::now() + renew_every;
     loop {
-        // Wait for room, renewing the waiting tasks' leases meanwhile.
-        let permits = loop {
+        // Wait for room, renewing the waiting tasks' leases meanwhile; then take what is
+        // free, up to the batch size. The places taken here come back one by one as the
+        // tasks' endings are acknowledged (`Held`'s drop).
+        let wanted = loop {
             if renews && Instant::now() >= next_renewal {
                 renew_waiting(&state).await;
                 next_renewal = Instant::now() + renew_every;
             }
             tokio::select! {
                 _ = state.shutdown.cancelled() => return,
-                permits = state.room.clone().acquire_many_owned(refill_at as u32) => {
-                    break permits.expect("room never closes");
-                }
+                n = state.room.take(refill_at, settings.batch_size) => break n,
                 _ = tokio::time::sleep_until(next_renewal), if renews => {}
             }
         };
-        permits.forget();
-        // Whatever else is free, up to the batch size; the permits taken here come back
-        // one by one as the tasks' endings are acknowledged (`Held`'s drop).
-        let mut extra = state
-            .room
-            .available_permits()
-            .min(settings.batch_size - refill_at);
-        match state.room.try_acquire_many(extra as u32) {
-            Ok(more) => more.forget(),
-            Err(_) => extra = 0,
-        }
-        let wanted = refill_at + extra;
         let claimed = state
             .engine
             .claim_matching(
@@ -70,25 +57,7 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>,
             Ok(tasks) => {
                 errors = 0;
                 let got = tasks.len();
-                {
-                    let mut waiting = state.waiting.lock().expect("waiting set poisoned");
-                    for task in &tasks {
-                        let entry = Waiting {
-                            lease: task.lease,
-                            stopped: false,
-                        };
-                        waiting.insert(task.id, entry);
-                    }
-                }
-                for task in tasks {
-                    let held = Held {
-                        task,
-                        room: state.room.clone(),
-                    };
-                    // The dispatcher is gone only after shutdown; dropping gives the room back
-                    // and the lease expires, as for a crash.
-                    let _ = local.send(held);
-                }
+                state.hold(tasks);
                 got
             }
             Err(error) => {
@@ -97,7 +66,7 @@ pub(super) async fn fetch(state: Arc<State>, local: mpsc::UnboundedSender<Held>,
                 0
             }
         };
-        state.room.add_permits(wanted - got);
+        state.room.give_back(wanted - got);
         if got == wanted {
             state.wake.notify_one(); // more may be waiting: the other fetcher may claim too
             continue;

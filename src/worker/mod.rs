@@ -31,6 +31,7 @@ use crate::store::workflows;
 mod acks;
 mod attempt;
 mod fetch;
+mod room;
 
 /// Configures and starts a [`Worker`]; from [`Engine::worker`].
 ///
@@ -272,6 +273,7 @@ impl WorkerBuilder {
         let shutdown = CancellationToken::new();
         let settings = self.settings.clone();
         let (acks, ack_queue) = mpsc::unbounded_channel();
+        let (local, local_queue) = mpsc::unbounded_channel();
         let state = Arc::new(State {
             engine: self.engine,
             handlers: self.handlers,
@@ -279,14 +281,15 @@ impl WorkerBuilder {
             shutdown: shutdown.clone(),
             hard_stop: CancellationToken::new(),
             wake: Notify::new(),
-            room: Arc::new(Semaphore::new(settings.concurrency + settings.local_queue)),
+            room: Arc::new(room::Room::new(settings.concurrency + settings.local_queue)),
             slots: Arc::new(Semaphore::new(settings.concurrency)),
             waiting: Mutex::new(HashMap::new()),
             unreported: Mutex::new(HashMap::new()),
             acks,
+            local,
             settings,
         });
-        let handle = tokio::spawn(run(state, ack_queue));
+        let handle = tokio::spawn(run(state, local_queue, ack_queue));
         Ok(Worker {
             id: self.settings.id,
             shutdown,
@@ -334,7 +337,7 @@ struct State {
     wake: Notify,
     /// Tasks this worker may hold: `concurrency + local_queue` permits, one taken per
     /// claimed task until its ending is acknowledged (or it is given back).
-    room: Arc<Semaphore>,
+    room: Arc<room::Room>,
     /// Handler slots: `concurrency` permits, one per running handler.
     slots: Arc<Semaphore>,
     /// Claimed tasks waiting in the local queue, whose leases the fetcher renews; true
@@ -346,9 +349,35 @@ struct State {
     unreported: Mutex<HashMap<TaskId, LeaseToken>>,
     /// Endings on their way to the acknowledger.
     acks: mpsc::UnboundedSender<acks::Ack>,
+    /// The local queue, which the fetchers fill, and the acknowledgers too with the
+    /// next stages their batches fired.
+    local: mpsc::UnboundedSender<Held>,
 }
 
 impl State {
+    /// Puts claimed tasks in the local queue (their room was taken by the claimer).
+    fn hold(&self, tasks: Vec<ClaimedTask>) {
+        {
+            let mut waiting = self.waiting.lock().expect("waiting set poisoned");
+            for task in &tasks {
+                let entry = Waiting {
+                    lease: task.lease,
+                    stopped: false,
+                };
+                waiting.insert(task.id, entry);
+            }
+        }
+        for task in tasks {
+            let held = Held {
+                task,
+                room: self.room.clone(),
+            };
+            // The dispatcher drains the queue until every acknowledger has stopped, so
+            // the receiver outlives every sender that could send.
+            let _ = self.local.send(held);
+        }
+    }
+
     /// Whether nothing runs and nothing waits: no ending will arrive soon.
     fn idle(&self) -> bool {
         self.slots.available_permits() == self.settings.concurrency
@@ -372,26 +401,28 @@ struct Waiting {
 /// when this is dropped, after the task's ending was acknowledged or the task given back.
 struct Held {
     task: ClaimedTask,
-    room: Arc<Semaphore>,
+    room: Arc<room::Room>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.room.add_permits(1);
+        self.room.give_back(1);
     }
 }
 
 /// The dispatcher: hands tasks from the local queue to free handler slots until shutdown,
 /// then gives back what still waits, lets running handlers finish within the grace
 /// period, and flushes the last acknowledgements.
-async fn run(state: Arc<State>, ack_queue: mpsc::UnboundedReceiver<acks::Ack>) {
-    let (local_tx, mut local) = mpsc::unbounded_channel::<Held>();
+async fn run(
+    state: Arc<State>,
+    mut local: mpsc::UnboundedReceiver<Held>,
+    ack_queue: mpsc::UnboundedReceiver<acks::Ack>,
+) {
     let listener = tokio::spawn(fetch::listen(state.clone()));
     let housekeeping = tokio::spawn(fetch::housekeeping(state.clone()));
     let fetchers: Vec<_> = (0..CLAIMS_IN_FLIGHT)
-        .map(|i| tokio::spawn(fetch::fetch(state.clone(), local_tx.clone(), i == 0)))
+        .map(|i| tokio::spawn(fetch::fetch(state.clone(), i == 0)))
         .collect();
-    drop(local_tx);
     let ack_queue = Arc::new(tokio::sync::Mutex::new(ack_queue));
     let acknowledgers: Vec<_> = (0..ACKS_IN_FLIGHT)
         .map(|_| tokio::spawn(acks::acknowledge_batches(state.clone(), ack_queue.clone())))
@@ -463,6 +494,12 @@ async fn run(state: Arc<State>, ack_queue: mpsc::UnboundedReceiver<acks::Ack>) {
     for acknowledger in acknowledgers {
         let _ = acknowledger.await;
     }
+    // What the last batches handed to this worker goes back too.
+    let mut handed = Vec::new();
+    while let Ok(held) = local.try_recv() {
+        handed.push(held);
+    }
+    give_back(&state, handed).await;
 }
 
 /// Gives tasks of the local queue back at shutdown, their attempts uncounted. If the
