@@ -76,10 +76,18 @@ pub(super) async fn fetch(state: Arc<State>, renews: bool) {
         } else {
             settings.poll_interval
         };
-        tokio::select! {
-            _ = state.shutdown.cancelled() => return,
-            _ = state.wake.notified(), if errors == 0 => {}
-            _ = sleep(pause) => {}
+        // Renewals go on while the fetcher waits, however long the poll interval.
+        let until = Instant::now() + pause;
+        loop {
+            tokio::select! {
+                _ = state.shutdown.cancelled() => return,
+                _ = state.wake.notified(), if errors == 0 => break,
+                _ = tokio::time::sleep_until(until) => break,
+                _ = tokio::time::sleep_until(next_renewal), if renews => {
+                    renew_waiting(&state).await;
+                    next_renewal = Instant::now() + renew_every;
+                }
+            }
         }
     }
 }
