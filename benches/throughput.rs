@@ -124,7 +124,7 @@ async fn engine(admin: &PgConnectOptions, pool_size: u32) -> anyhow::Result<Engi
     let pool = PgPoolOptions::new()
         .max_connections(pool_size)
         .test_before_acquire(false)
-        .connect_with(options)
+        .connect_with(confluo::read_committed(options))
         .await?;
     let engine = Engine::new(pool);
     engine.migrate().await?;

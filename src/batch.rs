@@ -111,7 +111,7 @@ impl Engine {
                 Vec::new(),
             ));
         }
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let mut tx = crate::store::begin_on(&mut conn).await?;
         let done = completions::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
         let last: Vec<(ExecutionId, GroupId, i32)> = fanin::last_arrivals(&mut tx, &done)
             .await?

@@ -244,7 +244,7 @@ impl Engine {
 
     /// One attempt; `None` when the execution's status changed under it (repeat).
     async fn reprocess_once(&self, task: TaskId) -> Result<Option<Reprocessed>> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = crate::store::begin(self.pool()).await?;
         let row = dead_letters::get(&mut tx, task)
             .await?
             .ok_or(Error::TaskNotFound(task))?;

@@ -21,7 +21,7 @@ impl Engine {
         let mut conflicts = 0;
         while timed_out.len() < limit {
             let result = async {
-                let mut tx = self.pool().begin().await?;
+                let mut tx = crate::store::begin(self.pool()).await?;
                 let Some(id) = executions::lock_one_past_deadline(&mut tx).await? else {
                     return Ok(None);
                 };

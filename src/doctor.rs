@@ -159,7 +159,7 @@ impl Engine {
             .collect();
         groups.dedup();
         for group in groups {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = crate::store::begin(self.pool()).await?;
             audit::recount(&mut tx, group).await?;
             tx.commit().await?;
             repairs.counters_fixed += 1;
@@ -185,7 +185,7 @@ impl Engine {
             if !seen.insert(group) {
                 continue;
             }
-            let mut tx = self.pool().begin().await?;
+            let mut tx = crate::store::begin(self.pool()).await?;
             // Stripes, then the group (as completions and the counter repair lock them),
             // then the re-check; if the group no longer needs firing, the re-count is
             // rolled back with the transaction.
@@ -198,7 +198,7 @@ impl Engine {
             }
         }
         for stalled in &found.stalled_executions {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = crate::store::begin(self.pool()).await?;
             if audit::lock_if_stalled(&mut tx, stalled.execution_id, stalled.group_id).await?
                 && dispatch::advance_after_fired(
                     self,

@@ -50,6 +50,26 @@ fn pool_options() -> PgPoolOptions {
         .test_before_acquire(false)
 }
 
+/// `options` with their sessions pinned to READ COMMITTED (`default_transaction_isolation`,
+/// sent with each connection's startup: no round trip), for a pool of your own to give
+/// [`Engine::new`] where the server, database or role defaults to another level.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+///
+/// let options: PgConnectOptions = "postgres://app@db/app".parse()?;
+/// let pool = PgPoolOptions::new()
+///     .max_connections(20)
+///     .connect_with(confluo::read_committed(options))
+///     .await?;
+/// let engine = confluo::Engine::new(pool);
+/// # Ok(()) }
+/// ```
+pub fn read_committed(options: PgConnectOptions) -> PgConnectOptions {
+    options.options([crate::store::READ_COMMITTED_OPTION])
+}
+
 /// Builds an [`Engine`] with non-default options.
 #[derive(Debug)]
 pub struct EngineBuilder {
@@ -82,6 +102,14 @@ impl EngineBuilder {
 
 impl Engine {
     /// An engine on the caller's pool, with default options.
+    ///
+    /// The pool's sessions must default to READ COMMITTED, PostgreSQL's own default:
+    /// confluo pins it on every transaction it begins, but its autocommitted statements
+    /// (claims, batched acknowledgements) run at the session's level, and
+    /// [`WorkerBuilder::start`](crate::WorkerBuilder::start) refuses a pool whose level is
+    /// another ([`Error::IsolationNotReadCommitted`]). If the server, database or role sets
+    /// `default_transaction_isolation`, build the pool from [`read_committed`]`(options)`,
+    /// or use [`Engine::connect_with`].
     pub fn new(pool: PgPool) -> Self {
         Self::builder(pool).build()
     }
@@ -96,6 +124,10 @@ impl Engine {
 
     /// Connects a pool of up to 10 connections to `url`.
     ///
+    /// The pool's sessions are pinned to READ COMMITTED (`default_transaction_isolation`,
+    /// sent with each connection's startup), whatever the server's, database's or role's
+    /// default: confluo's statements are designed for it (see [`Engine::new`]).
+    ///
     /// The pool does not ping a connection each time it hands it out (sqlx's default): a
     /// connection that died is found out by the statement that uses it, and every confluo
     /// write is safe to repeat. Building your own pool for [`Engine::new`], consider
@@ -104,8 +136,23 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`] if the URL is invalid or the server unreachable.
+    ///
+    /// # Cancel safety
+    /// Dropped before it returns, nothing is left connected.
     pub async fn connect(url: &str) -> Result<Self> {
-        let pool = pool_options().connect(url).await?;
+        Self::connect_with(url.parse()?).await
+    }
+
+    /// [`connect`](Self::connect) with connect options of your own (TLS, application
+    /// name, ...); READ COMMITTED is pinned on top of them.
+    ///
+    /// # Errors
+    /// [`Error::Database`] if the server is unreachable.
+    ///
+    /// # Cancel safety
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(options: PgConnectOptions) -> Result<Self> {
+        let pool = pool_options().connect_with(read_committed(options)).await?;
         Ok(Self::new(pool))
     }
 
@@ -122,8 +169,7 @@ impl Engine {
         if !std::env::vars().any(|(k, _)| k.starts_with("PG")) {
             return Err(Error::NoDatabaseConfigured);
         }
-        let pool = pool_options().connect_with(PgConnectOptions::new()).await?;
-        Ok(Self::new(pool))
+        Self::connect_with(PgConnectOptions::new()).await
     }
 
     /// The pool this engine uses.
@@ -266,7 +312,7 @@ impl Engine {
     /// [`Error::ExecutionNotFound`]; [`Error::Database`].
     pub async fn cancel(&self, id: ExecutionId) -> Result<bool> {
         let stopped = retry_conflicts(|| async {
-            let mut tx = self.inner.pool.begin().await?;
+            let mut tx = crate::store::begin(&self.inner.pool).await?;
             let stopped = executions::stop(&mut tx, id, "cancelled", None).await?;
             tx.commit().await?;
             Ok(stopped)

@@ -120,6 +120,22 @@ pub enum Error {
     #[error("no database configured: set DATABASE_URL (or the PG* variables) or pass a URL")]
     NoDatabaseConfigured,
 
+    /// The pool's connections default to an isolation level other than READ COMMITTED
+    /// (`default_transaction_isolation`, set for the server, database or role). confluo
+    /// pins READ COMMITTED on its own transactions, but its single statements run at the
+    /// session's level, and under REPEATABLE READ or SERIALIZABLE they fail with
+    /// serialization errors where READ COMMITTED re-reads the row.
+    #[error(
+        "the pool's connections default to {found} isolation, and confluo's statements need \
+         READ COMMITTED: connect with Engine::connect or Engine::connect_with (which pin it), \
+         or build your pool from confluo::read_committed(your_connect_options) (which sets \
+         default_transaction_isolation for its sessions)"
+    )]
+    IsolationNotReadCommitted {
+        /// The level the connections default to, e.g. `serializable`.
+        found: String,
+    },
+
     /// Applying the embedded migrations failed.
     #[error(transparent)]
     Migrate(#[from] sqlx::migrate::MigrateError),

@@ -75,7 +75,7 @@ mod worker;
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
 pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
 pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs};
-pub use engine::{Engine, EngineBuilder};
+pub use engine::{read_committed, Engine, EngineBuilder};
 pub use error::{Error, Result};
 pub use execution::{
     AttemptError, DeadLetter, Execution, ExecutionStatus, MapResults, MemberFailure,

@@ -291,7 +291,7 @@ impl Engine {
         {
             return Ok(Outcome::Completed { fired: false });
         }
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let mut tx = crate::store::begin_on(&mut conn).await?;
         let arrival = task
             .fan_in
             .complete(&mut tx, task.id, task.lease, output)
@@ -357,7 +357,7 @@ impl Engine {
         permanent: bool,
         only_if_expired: bool,
     ) -> Result<Outcome> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = crate::store::begin(self.pool()).await?;
         let workflow = self
             .definition(&mut tx, a.workflow, a.workflow_version)
             .await?;
@@ -434,7 +434,7 @@ impl Engine {
     }
 
     async fn cancel_claimed_once(&self, task: &ClaimedTask) -> Result<bool> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = crate::store::begin(self.pool()).await?;
         let Some(row) = tasks::cancel_claimed(&mut tx, task.id, task.lease).await? else {
             drop(tx);
             // The execution was resumed meanwhile (or the lease is lost): give it back.

@@ -97,7 +97,7 @@ impl Engine {
         input: &I,
         options: StartOptions,
     ) -> Result<ExecutionId> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = crate::store::begin(self.pool()).await?;
         let id = self.start_using(&mut tx, workflow, input, options).await?;
         tx.commit().await?;
         Ok(id)
@@ -184,7 +184,7 @@ impl Engine {
         for (input, options) in starts {
             items.push((serde_json::to_value(input)?, options));
         }
-        let mut tx = self.pool().begin().await?;
+        let mut tx = crate::store::begin(self.pool()).await?;
         let mut ids = vec![ExecutionId::from(uuid::Uuid::nil()); items.len()];
         // One batch per version asked for (usually one: the latest).
         let mut versions: Vec<Option<i32>> = items.iter().map(|(_, o)| o.version).collect();

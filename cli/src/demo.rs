@@ -65,7 +65,7 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
     let engine = Engine::new(
         PgPoolOptions::new()
             .max_connections(4)
-            .connect_with(options.clone())
+            .connect_with(confluo::read_committed(options.clone()))
             .await?,
     );
     engine.migrate().await?;
@@ -172,7 +172,7 @@ pub async fn start_worker(
 ) -> anyhow::Result<confluo::Worker> {
     let pool = PgPoolOptions::new()
         .max_connections(4)
-        .connect_with(options.clone())
+        .connect_with(confluo::read_committed(options.clone()))
         .await?;
     Ok(Engine::new(pool)
         .worker()

@@ -204,7 +204,7 @@ async fn connect(options: &PgConnectOptions, connections: u32) -> anyhow::Result
     let pool = PgPoolOptions::new()
         .max_connections(connections)
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options.clone())
+        .connect_with(confluo::read_committed(options.clone()))
         .await
         .with_context(|| {
             format!(

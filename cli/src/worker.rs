@@ -51,7 +51,7 @@ pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCo
     let engine = Engine::new(
         PgPoolOptions::new()
             .max_connections(2)
-            .connect_with(options.clone())
+            .connect_with(confluo::read_committed(options.clone()))
             .await?,
     );
     engine.migrate().await?;

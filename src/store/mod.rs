@@ -3,10 +3,21 @@
 //! All statements name the `confluo` schema, so the caller's `search_path` never matters.
 //! Queries are checked at run time (no compile-time database), so the crate builds
 //! anywhere.
+//!
+//! # Isolation
+//! Every transaction runs at READ COMMITTED ([`begin`], [`begin_on`]), whatever the
+//! server's, database's or role's `default_transaction_isolation`; autocommitted
+//! statements run at the session's level, which [`Engine::connect`](crate::Engine::connect)
+//! pins and a worker checks at start ([`check_isolation`]). The design relies on READ
+//! COMMITTED: a statement that waits for a row another transaction holds re-reads the
+//! row's latest version when it gets it, and each statement of a transaction sees what
+//! committed before it began (the row-lock fan-in re-counts members after taking the
+//! execution's lock; under REPEATABLE READ its snapshot would predate that lock and the
+//! last two finishers could each miss the other's commit, and neither fire).
 
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 pub(crate) mod audit;
 pub(crate) mod completions;
@@ -21,6 +32,45 @@ pub(crate) const SCHEMA: &str = "confluo";
 
 /// Channel notified (at commit) whenever tasks become claimable.
 pub(crate) const TASKS_CHANNEL: &str = "confluo_tasks";
+
+/// How every confluo transaction begins.
+const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// Begins a READ COMMITTED transaction on a connection of `pool`.
+///
+/// # Cancel safety
+/// Dropped before it returns, no transaction is left open (sqlx rolls back a transaction
+/// it began when its guard is dropped).
+pub(crate) async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
+    Ok(pool.begin_with(BEGIN).await?)
+}
+
+/// Begins a READ COMMITTED transaction on `conn`.
+///
+/// # Cancel safety
+/// As [`begin`].
+pub(crate) async fn begin_on(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>> {
+    Ok(conn.begin_with(BEGIN).await?)
+}
+
+/// The session setting that pins READ COMMITTED for autocommitted statements, as a
+/// connection startup option (whose spaces separate arguments unless escaped).
+pub(crate) const READ_COMMITTED_OPTION: (&str, &str) =
+    ("default_transaction_isolation", "read\\ committed");
+
+/// Refuses a pool whose connections default to another isolation level than READ
+/// COMMITTED (they share the server's, database's and role's defaults, so one tells).
+pub(crate) async fn check_isolation(pool: &PgPool) -> Result<()> {
+    let found: String =
+        sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
+            .fetch_one(pool)
+            .await?;
+    if found == "read committed" {
+        Ok(())
+    } else {
+        Err(Error::IsolationNotReadCommitted { found })
+    }
+}
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 

@@ -243,12 +243,17 @@ impl WorkerBuilder {
     ///
     /// # Errors
     /// [`Error::MissingHandler`]; [`Error::WorkflowNotFound`] for a workflow that is not
-    /// registered; [`Error::Database`].
+    /// registered; [`Error::IsolationNotReadCommitted`] for a pool whose sessions default
+    /// to another isolation level (see [`Engine::new`]); [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Dropped before it returns, no worker was started.
     pub async fn start(self) -> Result<Worker> {
         let served: HashSet<&str> = self.handlers.keys().map(|(w, _)| w.as_str()).collect();
         if served.is_empty() {
             return Err(Error::NoHandlers);
         }
+        crate::store::check_isolation(self.engine.pool()).await?;
         for workflow in served {
             let definition = workflows::load(self.engine.pool(), workflow, None).await?;
             for name in definition.handler_names() {

@@ -25,7 +25,10 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    /// A fresh migrated database with a pool of `max_connections`.
+    /// A fresh migrated database with a pool of `max_connections`. With
+    /// `CONFLUO_TEST_ISOLATION` set (e.g. `serializable`), the database's
+    /// `default_transaction_isolation` is set to it, and the pool is built as the README
+    /// says a service on such a database must build it (`confluo::read_committed`).
     pub async fn new(max_connections: u32) -> TestDb {
         let admin = admin_options();
         let template = ensure_template(&admin).await;
@@ -38,8 +41,19 @@ impl TestDb {
             .execute(&mut conn)
             .await
             .expect("create the test database");
+        if let Ok(level) = std::env::var("CONFLUO_TEST_ISOLATION") {
+            sqlx::query(&format!(
+                "ALTER DATABASE {name} SET default_transaction_isolation = '{level}'"
+            ))
+            .execute(&mut conn)
+            .await
+            .expect("CONFLUO_TEST_ISOLATION: an isolation level, e.g. serializable");
+        }
         conn.close().await.ok();
-        let options = admin.clone().database(&name);
+        let mut options = admin.clone().database(&name);
+        if std::env::var_os("CONFLUO_TEST_ISOLATION").is_some() {
+            options = confluo::read_committed(options);
+        }
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(60))
@@ -81,6 +95,11 @@ impl TestDb {
     /// The URL-less options of this database.
     pub fn options(&self) -> PgConnectOptions {
         self.options.clone()
+    }
+
+    /// The database's connect options, never pinned to an isolation level.
+    pub fn unpinned_options(&self) -> PgConnectOptions {
+        self.admin.clone().database(&self.name)
     }
 }
 

@@ -100,7 +100,7 @@ pub async fn run(admin: PgConnectOptions, mut args: Args) -> anyhow::Result<Exit
         .max_connections(max_finishers as u32 + 2)
         .min_connections(max_finishers as u32)
         .acquire_timeout(Duration::from_secs(120))
-        .connect_with(options.clone())
+        .connect_with(confluo::read_committed(options.clone()))
         .await?;
     let engine = Engine::new(pool.clone());
     engine.migrate().await?;
@@ -110,7 +110,7 @@ pub async fn run(admin: PgConnectOptions, mut args: Args) -> anyhow::Result<Exit
     let mut worker = Engine::new(
         PgPoolOptions::new()
             .max_connections(4)
-            .connect_with(options.clone())
+            .connect_with(confluo::read_committed(options.clone()))
             .await?,
     )
     .worker()

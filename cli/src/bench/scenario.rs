@@ -336,7 +336,7 @@ pub async fn round_trips(
     let counted_pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(finishers as u32)
         .min_connections(finishers as u32)
-        .connect_with(proxy.options(upstream))
+        .connect_with(confluo::read_committed(proxy.options(upstream)))
         .await?;
     let counted = Engine::new(counted_pool.clone());
     counted.register(&mode.workflow()).await?; // caches the definition

@@ -148,7 +148,9 @@ async fn pool(
     Ok(PgPoolOptions::new()
         .max_connections(connections)
         .acquire_timeout(Duration::from_secs(60))
-        .connect_with(options.clone().application_name(application))
+        .connect_with(confluo::read_committed(
+            options.clone().application_name(application),
+        ))
         .await?)
 }
 
