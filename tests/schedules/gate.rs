@@ -4,8 +4,9 @@
 //! decides which connection's next statement reaches the server next.
 //!
 //! Turns that cannot affect another transaction pass without being held: the pool's
-//! connection test (a lone Sync), `BEGIN` (under READ COMMITTED the snapshot is taken by
-//! the first statement, not by `BEGIN`), and preparing a statement (Parse/Describe
+//! connection test (a lone Sync), `BEGIN` with or without its isolation level (under
+//! READ COMMITTED the snapshot is taken by the first statement, not by `BEGIN`), and
+//! preparing a statement (Parse/Describe
 //! without Execute).
 
 use std::collections::HashMap;
@@ -269,7 +270,11 @@ fn describe(turn: &[Message], prepared: &mut HashMap<String, String>) -> (String
             b'E' => executes = true,
             b'Q' => {
                 let (query, _) = cstr(&m.body);
-                let begin = query.trim().eq_ignore_ascii_case("BEGIN");
+                // `BEGIN` and `BEGIN ISOLATION LEVEL READ COMMITTED` (confluo's) alike.
+                let begin = query
+                    .trim()
+                    .get(..5)
+                    .is_some_and(|w| w.eq_ignore_ascii_case("BEGIN"));
                 return (shorten(&query), begin);
             }
             _ => {}
