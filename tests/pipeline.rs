@@ -527,14 +527,18 @@ async fn a_crash_charges_only_the_attempts_that_started() {
     process.join().unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
     let mut reclaimed = 0;
-    while reclaimed < 10 {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while reclaimed < 10 && tokio::time::Instant::now() < deadline {
         let n = db.engine.reclaim_expired(100).await.unwrap();
         if n == 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         reclaimed += n;
     }
-    assert_eq!(reclaimed, 10);
+    assert_eq!(
+        reclaimed, 10,
+        "every task the dead worker held is reclaimed"
+    );
 
     let rows: Vec<(i32, String, i32, i32, i32)> = sqlx::query_as(
         "SELECT item_index, status, attempt, held_expiries, jsonb_array_length(errors)

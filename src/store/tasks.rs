@@ -135,7 +135,6 @@ pub(crate) async fn claim(
     Ok(query.fetch_all(conn).await?)
 }
 
-/// The plan of the claim statement for `handlers`, as `EXPLAIN` prints it (for tests and
 /// Claims, in the transaction that created them, up to `limit` due members of the groups
 /// just `entered` that the given handlers run: a batch that fires a group hands its next
 /// stage to the worker that fired it, sparing the notification and the claim of another
@@ -169,6 +168,7 @@ pub(crate) async fn claim_entered(
         .await?)
 }
 
+/// The plan of the claim statement for `handlers`, as `EXPLAIN` prints it (for tests and
 /// diagnostics: it must be an index scan whatever the statistics).
 pub(crate) async fn explain_claim(
     conn: &mut PgConnection,

@@ -143,26 +143,26 @@ async fn flush(state: &State, batch: Vec<(Held, Ending)>) {
 /// Writes a batch of completions, repeating on connection errors (a repeat after a lost
 /// answer finds them recorded: nothing changes twice).
 async fn complete_batch(state: &State, items: &[(&ClaimedTask, Value)], likely_last: bool) {
+    // The next stages this batch fires are claimed in its transaction, as far as
+    // there is room (none once the worker stops).
+    let take_room = |n: usize| {
+        if state.shutdown.is_cancelled() {
+            0
+        } else {
+            state.room.try_take(1, n)
+        }
+    };
+    let give_back = |n: usize| state.room.give_back(n);
+    let hand_off = HandOff {
+        worker_id: &state.settings.id,
+        handlers: &state.keys,
+        lease: state.settings.lease,
+        take_room: &take_room,
+        give_back: &give_back,
+        most: state.settings.batch_size,
+    };
     let mut pause = Duration::from_millis(50);
     for _ in 0..ACK_TRIES {
-        // The next stages this batch fires are claimed in its transaction, as far as
-        // there is room (none once the worker stops).
-        let take_room = |n: usize| {
-            if state.shutdown.is_cancelled() {
-                0
-            } else {
-                state.room.try_take(1, n)
-            }
-        };
-        let give_back = |n: usize| state.room.give_back(n);
-        let hand_off = HandOff {
-            worker_id: &state.settings.id,
-            handlers: &state.keys,
-            lease: state.settings.lease,
-            take_room: &take_room,
-            give_back: &give_back,
-            most: state.settings.batch_size,
-        };
         let result = state
             .engine
             .complete_batch_hinted(items, likely_last, Some(&hand_off))

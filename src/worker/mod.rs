@@ -340,7 +340,7 @@ struct State {
     hard_stop: CancellationToken,
     /// Tasks may have become claimable (a notification, or the local queue drained).
     wake: Notify,
-    /// Tasks this worker may hold: `concurrency + local_queue` permits, one taken per
+    /// Tasks this worker may hold: `concurrency + local_queue` places, one taken per
     /// claimed task until its ending is acknowledged (or it is given back).
     room: Arc<room::Room>,
     /// Handler slots: `concurrency` permits, one per running handler.
