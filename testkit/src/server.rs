@@ -1,9 +1,18 @@
 //! A PostgreSQL server for `demo`, `stress` and `bench`: the configured one when it
 //! answers; else a throwaway local server started from PostgreSQL's own binaries (on the
 //! PATH or under /usr/lib/postgresql/*/bin, run as the `postgres` user when we are root,
-//! on a free port, its data removed at exit); else a testcontainers one where a Docker
-//! engine answers. Each choice is said on stderr; with none available, the error says
-//! how to point the command at a server.
+//! its data removed at exit); else a testcontainers one where a Docker engine answers.
+//! Each choice is said on stderr; with none available, the error says how to point the
+//! command at a server.
+//!
+//! # The throwaway server's security
+//! It trusts whoever connects, so it listens on no TCP port: only on a Unix socket inside
+//! its temporary directory, which is mode 0700 (its owner, and root, can reach it; no
+//! other local user can). The one exception is [`LocalPostgres::start_with_tls`], for
+//! tests of TLS: it also listens on 127.0.0.1, where it accepts only TLS connections that
+//! give a random password (scram-sha-256). A watchdog beside the server stops it and
+//! removes its directory within a second of the process that started it dying, even by
+//! SIGKILL, when no `Drop` runs.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -63,10 +72,9 @@ impl Server {
         let local = match LocalPostgres::start().await {
             Ok(local) => {
                 eprintln!(
-                    "started a throwaway PostgreSQL from {} on 127.0.0.1:{} (data in {}, \
-                     removed at exit)",
+                    "started a throwaway PostgreSQL from {} on a Unix socket only (data in \
+                     {}, removed at exit)",
                     local.bin.display(),
-                    local.port,
                     local.dir.path().display()
                 );
                 return Ok(Server::Local(local));
@@ -103,22 +111,18 @@ impl Server {
         }
     }
 
-    /// A URL for child processes (stress workers); the password is included.
+    /// A URL for child processes (stress workers), password included: give it to them
+    /// through the environment (`DATABASE_URL`), never on a command line, where `ps`
+    /// shows it to every local user.
     pub fn url(&self, configured_url: &str) -> String {
         match self {
             Server::Configured(_) => configured_url.to_owned(),
-            other => {
-                let o = other.admin();
-                let password = match other {
-                    Server::Container(_) => ":postgres",
-                    _ => "",
-                };
-                format!(
-                    "postgres://postgres{password}@{}:{}/postgres",
-                    o.get_host(),
-                    o.get_port()
-                )
-            }
+            Server::Local(local) => local.url(),
+            Server::Container(container) => format!(
+                "postgres://postgres:postgres@{}:{}/postgres",
+                container.options.get_host(),
+                container.options.get_port()
+            ),
         }
     }
 }
@@ -140,19 +144,51 @@ async fn reachable(options: &PgConnectOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A PostgreSQL server run from the machine's binaries in a temporary directory.
+/// A PostgreSQL server run from the machine's binaries in a temporary directory, behind
+/// a watchdog (see the module's docs).
 pub struct LocalPostgres {
     bin: PathBuf,
     port: u16,
     dir: tempfile::TempDir,
+    /// The watchdog shell; the server is its child.
     child: Child,
     /// The postgres user's (uid, gid) when we are root: the server runs as it.
     user: Option<(u32, u32)>,
+    /// The password of TCP connections, when the server listens on 127.0.0.1.
+    password: Option<String>,
 }
 
+/// The watchdog: runs the server (`$3...`) in the background and, once the process that
+/// started it (`$1`) is gone, stops it fast and removes the directory `$2`. A TERM makes
+/// it stop the server too.
+const WATCHDOG: &str = r#"parent=$1; dir=$2; shift 2
+"$@" &
+pg=$!
+trap 'kill -INT "$pg" 2>/dev/null' TERM
+while [ -d "/proc/$parent" ] && kill -0 "$pg" 2>/dev/null; do sleep 0.2; done
+if ! [ -d "/proc/$parent" ]; then
+  kill -INT "$pg" 2>/dev/null
+  wait "$pg"
+  rm -rf "$dir"
+  exit 0
+fi
+wait "$pg""#;
+
 impl LocalPostgres {
-    /// Initializes a cluster in a fresh temporary directory and starts it on a free port.
+    /// Initializes a cluster in a fresh temporary directory and starts it, listening on a
+    /// Unix socket in that directory only.
     pub async fn start() -> anyhow::Result<LocalPostgres> {
+        LocalPostgres::launch(None).await
+    }
+
+    /// As [`start`](Self::start), and also listening on 127.0.0.1 for TLS connections
+    /// only, with the certificate and key given (PEM), as `postgres` with the random
+    /// password of [`tcp_options`](Self::tcp_options).
+    pub async fn start_with_tls(cert_pem: &str, key_pem: &str) -> anyhow::Result<LocalPostgres> {
+        LocalPostgres::launch(Some((cert_pem, key_pem))).await
+    }
+
+    async fn launch(tls: Option<(&str, &str)>) -> anyhow::Result<LocalPostgres> {
         let bin = server_binaries().context("no PostgreSQL server binaries (initdb, postgres)")?;
         // PostgreSQL refuses to run as root: then it runs as the postgres user.
         let user = if is_root() {
@@ -163,14 +199,24 @@ impl LocalPostgres {
         } else {
             None
         };
+        // Mode 0700: the socket inside is reachable by its owner (and root) only.
         let dir = tempfile::Builder::new()
             .prefix("confluo-pg-")
             .tempdir()
             .context("creating a temporary directory")?;
-        if let Some((uid, gid)) = user {
-            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
-                .context("giving the data directory to the postgres user")?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
+                .context("making the temporary directory private")?;
         }
+        let give = |path: &Path| -> anyhow::Result<()> {
+            if let Some((uid, gid)) = user {
+                std::os::unix::fs::chown(path, Some(uid), Some(gid))
+                    .with_context(|| format!("giving {} to the postgres user", path.display()))?;
+            }
+            Ok(())
+        };
+        give(dir.path())?;
         let data = dir.path().join("data");
         let mut initdb = command(user, &bin.join("initdb"));
         initdb.args([
@@ -186,84 +232,178 @@ impl LocalPostgres {
         ]);
         run(&mut initdb).context("initdb failed")?;
         let port = free_port()?;
+        let mut settings = vec![
+            "max_connections=300".to_owned(),
+            format!("unix_socket_directories={}", path(dir.path())),
+        ];
+        let password = match tls {
+            None => {
+                settings.push("listen_addresses=".to_owned());
+                None
+            }
+            Some((cert, key)) => {
+                use std::os::unix::fs::PermissionsExt;
+                let (cert_file, key_file) =
+                    (dir.path().join("server.crt"), dir.path().join("server.key"));
+                std::fs::write(&cert_file, cert)?;
+                std::fs::write(&key_file, key)?;
+                std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600))?;
+                give(&cert_file)?;
+                give(&key_file)?;
+                // The socket trusts (its directory guards it); TCP takes TLS and the
+                // password, and nothing else.
+                std::fs::write(
+                    data.join("pg_hba.conf"),
+                    "local all all trust\n\
+                     hostssl all all 127.0.0.1/32 scram-sha-256\n\
+                     host all all 0.0.0.0/0 reject\n\
+                     host all all ::/0 reject\n",
+                )?;
+                settings.extend([
+                    "listen_addresses=127.0.0.1".to_owned(),
+                    "ssl=on".to_owned(),
+                    format!("ssl_cert_file={}", path(&cert_file)),
+                    format!("ssl_key_file={}", path(&key_file)),
+                    "password_encryption=scram-sha-256".to_owned(),
+                ]);
+                Some(random_password()?)
+            }
+        };
         let log = std::fs::File::create(dir.path().join("server.log"))?;
-        let mut postgres = command(user, &bin.join("postgres"));
-        postgres
-            .args([
-                "-D",
-                &path(&data),
-                "-p",
-                &port.to_string(),
-                "-k",
-                &path(dir.path()),
-            ])
-            .args([
-                "-c",
-                "listen_addresses=127.0.0.1",
-                "-c",
-                "max_connections=300",
-            ])
+        let mut watchdog = command(user, Path::new("/bin/sh"));
+        // A process group of its own: a signal to ours (Ctrl-C, `timeout`, a job
+        // control kill) reaches us, and the watchdog then cleans up after us, rather than
+        // the server dying with us before the watchdog sees us go.
+        std::os::unix::process::CommandExt::process_group(&mut watchdog, 0);
+        watchdog
+            .args(["-c", WATCHDOG, "confluo-pg-watchdog"])
+            .arg(std::process::id().to_string())
+            .arg(dir.path())
+            .arg(bin.join("postgres"))
+            .args(["-D", &path(&data), "-p", &port.to_string()])
+            .args(settings.iter().flat_map(|s| ["-c", s.as_str()]))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        let child = postgres.spawn().context("starting postgres")?;
+        let child = watchdog.spawn().context("starting postgres")?;
         let mut local = LocalPostgres {
             bin,
             port,
             dir,
             child,
             user,
+            password: None,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            // Our own server first, through its socket: another server may have taken the
-            // port in the meantime, and then ours has exited.
             if let Some(status) = local.child.try_wait()? {
                 let log = std::fs::read_to_string(local.dir.path().join("server.log"))
                     .unwrap_or_default();
                 bail!("postgres exited ({status}):\n{log}");
             }
-            if reachable(&local.socket_options()).await.is_ok() {
-                return Ok(local);
+            if reachable(&local.options()).await.is_ok() {
+                break;
             }
             if Instant::now() > deadline {
                 bail!("postgres did not accept connections within 30 s");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        if let Some(password) = password {
+            let mut conn = local.options().connect().await?;
+            sqlx::query(&format!("ALTER USER postgres PASSWORD '{password}'"))
+                .execute(&mut conn)
+                .await?;
+            conn.close().await?;
+            local.password = Some(password);
+        }
+        Ok(local)
     }
 
-    fn socket_options(&self) -> PgConnectOptions {
-        self.options().socket(self.dir.path())
-    }
-
-    fn options(&self) -> PgConnectOptions {
+    /// Options to connect as the superuser `postgres`, through the socket.
+    pub fn options(&self) -> PgConnectOptions {
         PgConnectOptions::new()
-            .host("127.0.0.1")
+            .socket(self.dir.path())
             .port(self.port)
             .username("postgres")
             .database("postgres")
+    }
+
+    /// The same as a URL, for child processes: the socket's directory is the host,
+    /// percent-encoded (as sqlx writes it).
+    pub fn url(&self) -> String {
+        let host: String = path(self.dir.path())
+            .bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' => char::from(b).to_string(),
+                other => format!("%{other:02X}"),
+            })
+            .collect();
+        format!("postgres://postgres@{host}:{}/postgres", self.port)
+    }
+
+    /// For a server started [`with TLS`](Self::start_with_tls): options to connect over
+    /// TCP to `host` (which must resolve to 127.0.0.1) with the password, without a TLS
+    /// mode (the caller sets it). `None` for a socket-only server.
+    pub fn tcp_options(&self, host: &str) -> Option<PgConnectOptions> {
+        let password = self.password.as_ref()?;
+        Some(
+            PgConnectOptions::new()
+                .host(host)
+                .port(self.port)
+                .username("postgres")
+                .password(password)
+                .database("postgres"),
+        )
+    }
+
+    /// The password of TCP connections (TLS servers only).
+    pub fn password(&self) -> Option<&str> {
+        self.password.as_deref()
+    }
+
+    /// The TCP port (TLS servers), also the number in the socket's name.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The temporary directory: the socket, the data and the server's log.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 }
 
 impl Drop for LocalPostgres {
     fn drop(&mut self) {
-        // A fast shutdown through pg_ctl works whoever the server runs as.
+        // A fast shutdown through pg_ctl works whoever the server runs as; the watchdog
+        // exits with the server.
         let data = self.dir.path().join("data");
         let mut stop = command(self.user, &self.bin.join("pg_ctl"));
         stop.args(["stop", "-D", &path(&data), "-m", "fast", "-w"])
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         if !stop.status().is_ok_and(|s| s.success()) {
-            let _ = self.child.kill();
+            // The watchdog stops the server on TERM.
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
         }
         let _ = self.child.wait();
         // The temporary directory is removed when `dir` drops, right after this.
     }
 }
 
-/// `program`, run as `user` (uid, gid) when given. The child is the program itself, so
-/// killing it kills the server.
+/// 32 random hex digits, from the kernel.
+fn random_password() -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("reading /dev/urandom")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `program`, run as `user` (uid, gid) when given.
 fn command(user: Option<(u32, u32)>, program: &Path) -> Command {
     use std::os::unix::process::CommandExt;
     let mut c = Command::new(program);

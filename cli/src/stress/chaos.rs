@@ -149,13 +149,16 @@ pub async fn kill_connections(
 /// replaced, and stopped at the end.
 pub struct Processes {
     children: Vec<Child>,
+    /// Given to each process as `DATABASE_URL`.
+    url: String,
     command: Vec<String>,
 }
 
 impl Processes {
-    pub fn spawn(count: usize, command: Vec<String>) -> anyhow::Result<Processes> {
+    pub fn spawn(count: usize, url: &str, command: Vec<String>) -> anyhow::Result<Processes> {
         let mut processes = Processes {
             children: Vec::new(),
+            url: url.to_owned(),
             command,
         };
         for _ in 0..count {
@@ -168,6 +171,7 @@ impl Processes {
     fn start(&self) -> anyhow::Result<Child> {
         Ok(Command::new(std::env::current_exe()?)
             .args(&self.command)
+            .env("DATABASE_URL", &self.url)
             .kill_on_drop(true)
             .spawn()?)
     }

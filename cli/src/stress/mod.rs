@@ -213,15 +213,12 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
             lease_ms: args.lease_ms,
             ack_window_ms: args.ack_window_ms,
         })?;
+        // The URL (password included) goes through the environment: a command line is
+        // visible to every local user in `ps`.
         processes = Some(chaos::Processes::spawn(
             args.processes,
-            vec![
-                "--database-url".into(),
-                url.to_owned(),
-                "stress-worker".into(),
-                "--config".into(),
-                config,
-            ],
+            url,
+            vec!["stress-worker".into(), "--config".into(), config],
         )?);
     } else {
         for _ in 0..args.workers {
