@@ -163,17 +163,18 @@ impl Engine {
             }
             return Err(e.into());
         }
+        drop(conn); // a pool of one connection needs it back, to read or to explain
         let handed = match handed {
             Some((h, rows)) => {
                 let n = rows.len();
-                // Unreadable rows (not expected) stay claimed, unstarted, until their
-                // leases expire; they come back uncounted.
-                queue::claimed_tasks(rows).inspect_err(|_| (h.give_back)(n))?
+                let tasks = self.readable(rows).await;
+                // Unreadable rows were given back: so are their places.
+                (h.give_back)(n - tasks.as_ref().map_or(0, Vec::len));
+                tasks?
             }
             None => Vec::new(),
         };
         let fired_groups = fired.groups;
-        drop(conn); // explaining a no-match may need the pool's only connection
 
         // `fired` goes to the batch's last member of each group that fired.
         let group_of: HashMap<TaskId, GroupId> = done.iter().map(|r| (r.id, r.group_id)).collect();

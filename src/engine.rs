@@ -41,6 +41,9 @@ struct Inner {
     pool: PgPool,
     fan_in: FanInStrategy,
     definitions: RwLock<HashMap<(String, i32), Arc<Workflow>>>,
+    /// Expired tasks this process could not reclaim (an unreadable row): later passes
+    /// skip them rather than trip on them again, and each is reported once.
+    unreclaimable: std::sync::Mutex<std::collections::HashSet<crate::TaskId>>,
 }
 
 /// The options of the pools that [`Engine::connect`] and [`Engine::connect_env`] open.
@@ -95,6 +98,7 @@ impl EngineBuilder {
                 pool: self.pool,
                 fan_in: self.fan_in,
                 definitions: RwLock::new(HashMap::new()),
+                unreclaimable: Default::default(),
             }),
         }
     }
@@ -323,6 +327,17 @@ impl Engine {
             self.status(id).await?;
         }
         Ok(stopped)
+    }
+
+    /// The expired tasks this engine could not reclaim (see
+    /// [`reclaim_expired`](Self::reclaim_expired)).
+    pub(crate) fn unreclaimable(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashSet<crate::TaskId>> {
+        self.inner
+            .unreclaimable
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A builder for a worker that runs this engine's tasks.

@@ -108,6 +108,21 @@ pub enum Error {
     #[error(transparent)]
     UnknownFanIn(#[from] crate::fanin::UnknownStrategy),
 
+    /// A task's row holds something this build of confluo cannot act on: a fan-in
+    /// strategy it does not know (a newer version wrote it, or `naive` without the
+    /// `naive-fan-in` feature), a stage its workflow does not have. The task is left for a
+    /// worker that can: given back when it was claimed, skipped when it was reclaimed.
+    #[error(
+        "task {task} cannot be handled by this build of confluo: {reason}; it was left for \
+         a worker that can (upgrade this one, or run `confluo doctor` and inspect the row)"
+    )]
+    UnreadableTask {
+        /// The task.
+        task: crate::TaskId,
+        /// What this build cannot read.
+        reason: String,
+    },
+
     /// Serializing an input or deserializing a stored value failed.
     #[error("JSON (de)serialization failed: {0}")]
     Json(#[from] serde_json::Error),

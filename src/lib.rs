@@ -68,6 +68,7 @@ mod ids;
 mod listing;
 pub mod metrics;
 mod queue;
+mod reclaim;
 mod start;
 mod store;
 mod worker;

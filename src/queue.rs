@@ -124,7 +124,8 @@ impl Engine {
         )
         .await?;
         metrics::claimed(started, rows.iter().map(|r| r.waited));
-        claimed_tasks(rows)
+        drop(conn); // a pool of one connection
+        self.readable(rows).await
     }
 
     /// The plan PostgreSQL chooses for a worker's claim statement over these `(workflow,
@@ -263,7 +264,11 @@ impl Engine {
                 .map(|s| s.kind()),
             Some(StageKind::Map)
         );
-        let is_step = matches!(workflow.stages()[task.stage_index].kind(), StageKind::Step);
+        let stage = workflow
+            .stages()
+            .get(task.stage_index)
+            .ok_or_else(|| beyond_stages(task.id, task.stage_index, &workflow))?;
+        let is_step = matches!(stage.kind(), StageKind::Step);
         if is_step && next_is_map && !output.is_array() {
             return Err(Error::InvalidOutput {
                 task: task.id,
@@ -282,7 +287,12 @@ impl Engine {
         // it. A step's only member always is, so it goes straight to the transaction.
         let is_step = self
             .cached_definition(&task.workflow, task.workflow_version)
-            .is_none_or(|w| matches!(w.stages()[task.stage_index].kind(), StageKind::Step));
+            .is_none_or(|w| {
+                matches!(
+                    w.stages().get(task.stage_index).map(|s| s.kind()),
+                    Some(StageKind::Step) | None
+                )
+            });
         if !is_step
             && task
                 .fan_in
@@ -336,7 +346,7 @@ impl Engine {
         self.fail_attempt(&attempt, error, permanent, false).await
     }
 
-    async fn fail_attempt(
+    pub(crate) async fn fail_attempt(
         &self,
         attempt: &Attempt<'_>,
         error: &str,
@@ -361,7 +371,10 @@ impl Engine {
         let workflow = self
             .definition(&mut tx, a.workflow, a.workflow_version)
             .await?;
-        let stage = &workflow.stages()[a.stage_index];
+        let stage = workflow
+            .stages()
+            .get(a.stage_index)
+            .ok_or_else(|| beyond_stages(a.id, a.stage_index, &workflow))?;
         let fails_execution = stage.fails_execution_on_member_failure();
         if fails_execution && (permanent || a.attempt >= a.max_attempts) {
             // Lock order: execution before group, as a cancel takes them.
@@ -450,47 +463,6 @@ impl Engine {
         Ok(true)
     }
 
-    /// Reclaims up to `limit` running tasks whose lease expired: each counts as a failed
-    /// attempt (retried, or dead-lettered once attempts are exhausted, so a task that
-    /// keeps killing its worker cannot loop forever). Returns how many were reclaimed.
-    /// Safe to run from every worker at once.
-    ///
-    /// # Errors
-    /// [`Error::Database`].
-    pub async fn reclaim_expired(&self, limit: usize) -> Result<usize> {
-        let expired = {
-            let mut conn = self.pool().acquire().await?;
-            tasks::expired_leases(&mut conn, limit as i64).await?
-        };
-        let mut reclaimed = 0;
-        for row in expired {
-            let attempt = Attempt {
-                id: row.id,
-                lease: row.lease_token,
-                execution_id: row.execution_id,
-                workflow: &row.workflow_name,
-                workflow_version: row.workflow_version,
-                stage_index: row.stage_index as usize,
-                fan_in: row.fan_in.parse()?,
-                attempt: row.attempt as u32,
-                max_attempts: row.max_attempts as u32,
-            };
-            let outcome = self
-                .fail_attempt(
-                    &attempt,
-                    "lease expired: the worker stopped renewing it",
-                    false,
-                    true,
-                )
-                .await?;
-            if !matches!(outcome, Outcome::LeaseLost | Outcome::AlreadyRecorded) {
-                tracing::warn!(task_id = %row.id, attempt = row.attempt, ?outcome, "reclaimed an expired lease");
-                reclaimed += 1;
-            }
-        }
-        Ok(reclaimed)
-    }
-
     /// Why a guarded transition matched nothing.
     pub(crate) async fn explain_no_match(&self, id: TaskId, lease: LeaseToken) -> Result<Outcome> {
         let mut conn = self.pool().acquire().await?;
@@ -505,27 +477,39 @@ impl Engine {
 }
 
 /// The fields of an attempt that recording its failure needs.
-struct Attempt<'a> {
-    id: TaskId,
-    lease: LeaseToken,
-    execution_id: ExecutionId,
-    workflow: &'a str,
-    workflow_version: i32,
-    stage_index: usize,
-    fan_in: FanInStrategy,
-    attempt: u32,
-    max_attempts: u32,
+pub(crate) struct Attempt<'a> {
+    pub id: TaskId,
+    pub lease: LeaseToken,
+    pub execution_id: ExecutionId,
+    pub workflow: &'a str,
+    pub workflow_version: i32,
+    pub stage_index: usize,
+    pub fan_in: FanInStrategy,
+    pub attempt: u32,
+    pub max_attempts: u32,
 }
 
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The claimed rows as the tasks a worker runs.
-pub(crate) fn claimed_tasks(rows: Vec<tasks::ClaimedRow>) -> Result<Vec<ClaimedTask>> {
-    rows.into_iter()
-        .map(|r| {
-            Ok(ClaimedTask {
+/// The claimed rows as the tasks a worker runs; those this build cannot read (see
+/// [`Engine::readable`]) apart, with why.
+pub(crate) fn claimed_tasks(
+    rows: Vec<tasks::ClaimedRow>,
+) -> (Vec<ClaimedTask>, Vec<(TaskId, LeaseToken, String)>) {
+    let mut unreadable = Vec::new();
+    let tasks = rows
+        .into_iter()
+        .filter_map(|r| {
+            let fan_in = match r.fan_in.parse::<FanInStrategy>() {
+                Ok(fan_in) => fan_in,
+                Err(e) => {
+                    unreadable.push((r.id, r.lease_token, e.to_string()));
+                    return None;
+                }
+            };
+            Some(ClaimedTask {
                 id: r.id,
                 execution_id: r.execution_id,
                 group_id: r.group_id,
@@ -541,8 +525,72 @@ pub(crate) fn claimed_tasks(rows: Vec<tasks::ClaimedRow>) -> Result<Vec<ClaimedT
                 timeout: Duration::from_millis(r.timeout_ms.max(0) as u64),
                 input: r.input.map(|j| j.0),
                 execution_status: ExecutionStatus::parse(&r.execution_status),
-                fan_in: r.fan_in.parse()?,
+                fan_in,
             })
         })
-        .collect()
+        .collect();
+    (tasks, unreadable)
+}
+
+/// The error for a stage index beyond the workflow's stages.
+pub(crate) fn beyond_stages(task: TaskId, index: usize, workflow: &crate::Workflow) -> Error {
+    Error::UnreadableTask {
+        task,
+        reason: format!(
+            "its stage index {index} is beyond the {} stage(s) of workflow {} v{}",
+            workflow.stages().len(),
+            workflow.name(),
+            workflow.version()
+        ),
+    }
+}
+
+/// How long a claimed task this build cannot run waits before it is due again.
+const SET_ASIDE: Duration = Duration::from_secs(60);
+
+impl Engine {
+    /// The claimed rows as tasks, once those this build cannot run are given back: a
+    /// fan-in strategy it does not know (written by a newer version, say), a workflow
+    /// version or stage it cannot find. Each of those is given back uncounted, due again
+    /// in a minute (for a worker that can run it), and reported; the others are returned.
+    pub(crate) async fn readable(&self, rows: Vec<tasks::ClaimedRow>) -> Result<Vec<ClaimedTask>> {
+        let (tasks, mut unreadable) = claimed_tasks(rows);
+        let mut readable = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            let known = match self.cached_definition(&task.workflow, task.workflow_version) {
+                Some(workflow) => Ok(workflow),
+                None => {
+                    let mut conn = self.pool().acquire().await?;
+                    self.definition(&mut conn, &task.workflow, task.workflow_version)
+                        .await
+                }
+            };
+            match known {
+                Ok(w) if task.stage_index < w.stages().len() => readable.push(task),
+                Ok(w) => unreadable.push((
+                    task.id,
+                    task.lease,
+                    beyond_stages(task.id, task.stage_index, &w).to_string(),
+                )),
+                Err(e) if e.is_not_found() => unreadable.push((task.id, task.lease, e.to_string())),
+                Err(e) => return Err(e),
+            }
+        }
+        if !unreadable.is_empty() {
+            for (task, _, reason) in &unreadable {
+                let error = Error::UnreadableTask {
+                    task: *task,
+                    reason: reason.clone(),
+                };
+                tracing::error!(task_id = %task, "{error}; given back, due again in {SET_ASIDE:?}");
+            }
+            let (ids, tokens): (Vec<TaskId>, Vec<LeaseToken>) = unreadable
+                .iter()
+                .map(|(id, token, _)| (*id, *token))
+                .unzip();
+            let mut conn = self.pool().acquire().await?;
+            tasks::set_aside(&mut conn, &ids, &tokens, millis(SET_ASIDE)).await?;
+        }
+        Ok(readable)
+    }
 }

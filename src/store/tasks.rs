@@ -484,18 +484,46 @@ pub(crate) struct ExpiredRow {
 }
 
 /// Running tasks whose lease has expired, oldest first.
-pub(crate) async fn expired_leases(conn: &mut PgConnection, limit: i64) -> Result<Vec<ExpiredRow>> {
+pub(crate) async fn expired_leases(
+    conn: &mut PgConnection,
+    limit: i64,
+    skip: &[TaskId],
+) -> Result<Vec<ExpiredRow>> {
     Ok(sqlx::query_as(
         "SELECT id, lease_token, execution_id, workflow_name, workflow_version, stage_index,
                 attempt, max_attempts,
                 (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in
            FROM confluo.task t
-          WHERE status = 'running' AND lease_expires_at < now()
+          WHERE status = 'running' AND lease_expires_at < now() AND NOT (id = ANY($2))
           ORDER BY lease_expires_at LIMIT $1",
     )
     .bind(limit)
+    .bind(skip)
     .fetch_all(conn)
     .await?)
+}
+
+/// Gives claimed tasks this build cannot run back, uncounted, due again after `delay_ms`
+/// (for a worker that can run them, without this one claiming them again at once).
+pub(crate) async fn set_aside(
+    conn: &mut PgConnection,
+    ids: &[TaskId],
+    tokens: &[LeaseToken],
+    delay_ms: i64,
+) -> Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE confluo.task t
+            SET status = 'pending', attempt = t.attempt - 1, lease_expires_at = NULL,
+                run_at = now() + $3 * interval '1 millisecond', started = true
+           FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+          WHERE t.id = h.id AND t.lease_token = h.token AND t.status = 'running'",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .bind(delay_ms)
+    .execute(conn)
+    .await?
+    .rows_affected())
 }
 
 /// Tasks due now, scheduled later (backoff), and running.
