@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool};
 
 use crate::definition::Workflow;
@@ -17,7 +16,9 @@ use crate::store::{self, executions, groups, workflows};
 use crate::worker::WorkerBuilder;
 
 /// A handle on confluo's tables in one PostgreSQL database. Cheap to clone; clones share
-/// the pool and the definition cache.
+/// the pool and the definition cache. Connect with [`Engine::connect`] (or
+/// [`ConnectBuilder`](crate::ConnectBuilder) for a pool size, an application name, ...),
+/// or wrap a pool of your own with [`Engine::new`].
 ///
 /// ```no_run
 /// # async fn demo() -> confluo::Result<()> {
@@ -44,33 +45,6 @@ struct Inner {
     /// Expired tasks this process could not reclaim (an unreadable row): later passes
     /// skip them rather than trip on them again, and each is reported once.
     unreclaimable: std::sync::Mutex<std::collections::HashSet<crate::TaskId>>,
-}
-
-/// The options of the pools that [`Engine::connect`] and [`Engine::connect_env`] open.
-fn pool_options() -> PgPoolOptions {
-    PgPoolOptions::new()
-        .max_connections(10)
-        .test_before_acquire(false)
-}
-
-/// `options` with their sessions pinned to READ COMMITTED (`default_transaction_isolation`,
-/// sent with each connection's startup: no round trip), for a pool of your own to give
-/// [`Engine::new`] where the server, database or role defaults to another level.
-///
-/// ```no_run
-/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-///
-/// let options: PgConnectOptions = "postgres://app@db/app".parse()?;
-/// let pool = PgPoolOptions::new()
-///     .max_connections(20)
-///     .connect_with(confluo::read_committed(options))
-///     .await?;
-/// let engine = confluo::Engine::new(pool);
-/// # Ok(()) }
-/// ```
-pub fn read_committed(options: PgConnectOptions) -> PgConnectOptions {
-    options.options([crate::store::READ_COMMITTED_OPTION])
 }
 
 /// Builds an [`Engine`] with non-default options.
@@ -124,56 +98,6 @@ impl Engine {
             pool,
             fan_in: FanInStrategy::default(),
         }
-    }
-
-    /// Connects a pool of up to 10 connections to `url`.
-    ///
-    /// The pool's sessions are pinned to READ COMMITTED (`default_transaction_isolation`,
-    /// sent with each connection's startup), whatever the server's, database's or role's
-    /// default: confluo's statements are designed for it (see [`Engine::new`]).
-    ///
-    /// The pool does not ping a connection each time it hands it out (sqlx's default): a
-    /// connection that died is found out by the statement that uses it, and every confluo
-    /// write is safe to repeat. Building your own pool for [`Engine::new`], consider
-    /// `PgPoolOptions::test_before_acquire(false)` too: the ping is a round trip per
-    /// acquire.
-    ///
-    /// # Errors
-    /// [`Error::Database`] if the URL is invalid or the server unreachable.
-    ///
-    /// # Cancel safety
-    /// Dropped before it returns, nothing is left connected.
-    pub async fn connect(url: &str) -> Result<Self> {
-        Self::connect_with(url.parse()?).await
-    }
-
-    /// [`connect`](Self::connect) with connect options of your own (TLS, application
-    /// name, ...); READ COMMITTED is pinned on top of them.
-    ///
-    /// # Errors
-    /// [`Error::Database`] if the server is unreachable.
-    ///
-    /// # Cancel safety
-    /// As [`connect`](Self::connect).
-    pub async fn connect_with(options: PgConnectOptions) -> Result<Self> {
-        let pool = pool_options().connect_with(read_committed(options)).await?;
-        Ok(Self::new(pool))
-    }
-
-    /// Connects from the environment: `DATABASE_URL` if set, else PostgreSQL's usual `PG*`
-    /// variables (`PGHOST`, `PGPORT`, `PGUSER`, `PGPASSWORD`, `PGDATABASE`, ...).
-    ///
-    /// # Errors
-    /// [`Error::NoDatabaseConfigured`] when neither is set; [`Error::Database`] if the
-    /// server is unreachable.
-    pub async fn connect_env() -> Result<Self> {
-        if let Ok(url) = std::env::var("DATABASE_URL") {
-            return Self::connect(&url).await;
-        }
-        if !std::env::vars().any(|(k, _)| k.starts_with("PG")) {
-            return Err(Error::NoDatabaseConfigured);
-        }
-        Self::connect_with(PgConnectOptions::new()).await
     }
 
     /// The pool this engine uses.

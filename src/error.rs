@@ -132,8 +132,35 @@ pub enum Error {
     WaitTimeout(crate::ExecutionId),
 
     /// No database URL was given and none is set in the environment.
-    #[error("no database configured: set DATABASE_URL (or the PG* variables) or pass a URL")]
+    #[error(
+        "no database configured: set DATABASE_URL (e.g. \
+         postgres://postgres@127.0.0.1:5432/postgres) or the PG* variables, or pass a URL"
+    )]
     NoDatabaseConfigured,
+
+    /// The database URL does not parse. (The URL is not repeated: it may hold a password.)
+    #[error(
+        "the database URL is not valid ({reason}): write it as \
+         postgres://user:password@host:port/database"
+    )]
+    InvalidDatabaseUrl {
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The server could not be reached, or refused the connection.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+
+    /// The database has no confluo schema, or an older one than this build needs.
+    #[error(
+        "the database has no confluo schema, or an older one ({detail}): run \
+         `confluo migrate`, or call Engine::migrate() when your service starts"
+    )]
+    NotMigrated {
+        /// What PostgreSQL said was missing.
+        detail: String,
+    },
 
     /// The pool's connections default to an isolation level other than READ COMMITTED
     /// (`default_transaction_isolation`, set for the server, database or role). confluo
@@ -155,9 +182,115 @@ pub enum Error {
     #[error(transparent)]
     Migrate(#[from] sqlx::migrate::MigrateError),
 
-    /// The database reported an error or could not be reached.
-    #[error(transparent)]
-    Database(#[from] sqlx::Error),
+    /// The database reported an error or could not be reached. Its text is said once
+    /// (the sqlx error is the variant's value, not a second link of the error's chain).
+    #[error("{}", database_message(.0))]
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(error: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(db) = &error {
+            let message = db.message();
+            let ours = message.contains("\"confluo") || message.contains("confluo.");
+            // Undefined table, column or function; no such schema.
+            if ours
+                && matches!(
+                    db.code().as_deref(),
+                    Some("42P01" | "42703" | "42883" | "3F000")
+                )
+            {
+                return Error::NotMigrated {
+                    detail: message.to_owned(),
+                };
+            }
+        }
+        Error::Database(error)
+    }
+}
+
+fn database_message(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => format!("PostgreSQL: {} (SQLSTATE {code})", db.message()),
+            None => format!("PostgreSQL: {}", db.message()),
+        },
+        sqlx::Error::PoolTimedOut => "no database connection came free in time: the pool is \
+            too small for the load (ConnectBuilder::max_connections), or the server stopped \
+            answering"
+            .to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// Why the server could not be reached or refused, naming it.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot connect to PostgreSQL at {server}: {reason}")]
+pub struct ConnectError {
+    server: String,
+    reason: String,
+    error: Option<sqlx::Error>,
+}
+
+impl ConnectError {
+    pub(crate) fn new(server: String, error: sqlx::Error) -> Self {
+        let reason = match &error {
+            sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+                "connection refused: is PostgreSQL running, and listening on that address \
+                 and port?"
+                    .to_owned()
+            }
+            sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::NotFound => {
+                "no server socket there: is PostgreSQL running, and is that its socket \
+                 directory?"
+                    .to_owned()
+            }
+            sqlx::Error::Io(io) if io.to_string().contains("certificate") => format!(
+                "{io} (TLS: sslrootcert must hold the CA that signed the server's \
+                 certificate, and the host must be a name the certificate carries)"
+            ),
+            sqlx::Error::Io(io) => io.to_string(),
+            sqlx::Error::Tls(tls) => format!("TLS: {tls} (check sslmode and sslrootcert)"),
+            sqlx::Error::Database(db) => match db.code().as_deref() {
+                Some("28P01" | "28000") => format!(
+                    "{} (check the user and password in the URL, and pg_hba.conf)",
+                    db.message()
+                ),
+                Some("3D000") => format!(
+                    "{} (create it with CREATE DATABASE, or name one that exists)",
+                    db.message()
+                ),
+                _ => db.message().to_owned(),
+            },
+            other => other.to_string(),
+        };
+        ConnectError {
+            server,
+            reason,
+            error: Some(error),
+        }
+    }
+
+    pub(crate) fn timed_out(server: String, after: std::time::Duration) -> Self {
+        ConnectError {
+            server,
+            reason: format!(
+                "no answer within {after:?} (is the host right, and does a firewall let \
+                 the port through?)"
+            ),
+            error: None,
+        }
+    }
+
+    /// The server, as `host:port/database` (or the socket directory for the host).
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// sqlx's error, when there was one (`None` when the attempt timed out).
+    pub fn sqlx_error(&self) -> Option<&sqlx::Error> {
+        self.error.as_ref()
+    }
 }
 
 impl Error {
@@ -180,7 +313,10 @@ impl Error {
     /// Whether the error comes from the database or the connection to it. Such errors are
     /// usually transient; every confluo write is safe to retry.
     pub fn is_database(&self) -> bool {
-        matches!(self, Error::Database(_) | Error::Migrate(_))
+        matches!(
+            self,
+            Error::Database(_) | Error::Migrate(_) | Error::Connect(_)
+        )
     }
 
     /// Whether the transaction lost a deadlock or serialization race and was rolled back

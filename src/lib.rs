@@ -54,6 +54,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod batch;
+mod connect;
 mod dead_letters;
 mod deadline;
 mod definition;
@@ -73,11 +74,12 @@ mod start;
 mod store;
 mod worker;
 
+pub use connect::{read_committed, ConnectBuilder};
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
 pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
 pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs};
-pub use engine::{read_committed, Engine, EngineBuilder};
-pub use error::{Error, Result};
+pub use engine::{Engine, EngineBuilder};
+pub use error::{ConnectError, Error, Result};
 pub use execution::{
     AttemptError, DeadLetter, Execution, ExecutionStatus, MapResults, MemberFailure,
     ParallelResults, StageProgress, UnknownStatus,

@@ -27,7 +27,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use confluo::Engine;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 
 #[derive(Parser)]
 #[command(
@@ -195,24 +195,27 @@ fn database(url: Option<&str>) -> anyhow::Result<PgConnectOptions> {
 }
 
 fn parse_url(url: &str) -> anyhow::Result<PgConnectOptions> {
-    url.parse()
-        .with_context(|| "the database URL is not a valid PostgreSQL URL".to_string())
+    url.parse().map_err(|error: sqlx::Error| {
+        // sqlx's configuration error repeats its cause: say it once. Never the URL (it
+        // may hold a password).
+        let reason = match &error {
+            sqlx::Error::Configuration(inner) => inner.to_string(),
+            other => other.to_string(),
+        };
+        anyhow::anyhow!(
+            "the database URL is not valid ({reason}): write it as \
+             postgres://user:password@host:port/database"
+        )
+    })
 }
 
-/// An engine on a pool of `connections`, failing fast when the server is unreachable.
+/// An engine on a pool of `connections`, failing at once, naming the server and why,
+/// when it cannot be reached.
 async fn connect(options: &PgConnectOptions, connections: u32) -> anyhow::Result<Engine> {
-    let pool = PgPoolOptions::new()
+    Ok(confluo::ConnectBuilder::from_options(options.clone())
         .max_connections(connections)
+        .application_name("confluo-cli")
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(confluo::read_committed(options.clone()))
-        .await
-        .with_context(|| {
-            format!(
-                "cannot reach PostgreSQL at {}:{} (database {:?})",
-                options.get_host(),
-                options.get_port(),
-                options.get_database().unwrap_or("postgres")
-            )
-        })?;
-    Ok(Engine::new(pool))
+        .connect()
+        .await?)
 }

@@ -171,7 +171,8 @@ async fn list_inspect_cancel_and_doctor() {
     let unreachable = confluo("postgres://postgres@127.0.0.1:1/postgres", &["list"]);
     assert_eq!(unreachable.status.code(), Some(2));
     assert!(
-        text(&unreachable).contains("cannot reach PostgreSQL"),
+        text(&unreachable)
+            .contains("cannot connect to PostgreSQL at 127.0.0.1:1/postgres: connection refused"),
         "{}",
         text(&unreachable)
     );
