@@ -15,8 +15,8 @@ use crate::error::{retry_conflicts, Result};
 use crate::fanin::{self, FanInStrategy};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::queue::{self, ClaimedTask, Outcome};
-use crate::store::completions;
 use crate::store::tasks::{self, HandlerKeys};
+use crate::store::{completions, locks};
 
 /// A worker's standing claim on the stages a batch enters when it fires their groups:
 /// as many of their members that its handlers run as it has room for, for `lease`.
@@ -70,8 +70,24 @@ impl Engine {
             self.check_output(task, output).await?;
         }
         let started = std::time::Instant::now();
-        let (outcomes, handed) =
-            retry_conflicts(|| self.complete_batch_once(items, likely_last, hand_off)).await?;
+        // A batch of counting members expected to fire, or one holding row-lock members
+        // (whose decision waits for the execution's lock), locks its executions first;
+        // the others ask for them only if they fire, without waiting, and start over
+        // locking them first if one is taken (`store::locks`).
+        let mut executions_first = items
+            .iter()
+            .any(|(t, _)| t.fan_in == FanInStrategy::RowLock)
+            || (likely_last && items.iter().any(|(t, _)| t.fan_in.counts()));
+        let (outcomes, handed) = loop {
+            let result = retry_conflicts(|| {
+                self.complete_batch_once(items, likely_last, hand_off, executions_first)
+            })
+            .await;
+            match result {
+                Err(e) if !executions_first && locks::is_taken(&e) => executions_first = true,
+                other => break other?,
+            }
+        };
         for outcome in &outcomes {
             crate::metrics::acknowledged(outcome, started);
         }
@@ -83,6 +99,7 @@ impl Engine {
         items: &[(&ClaimedTask, Value)],
         likely_last: bool,
         hand_off: Option<&HandOff<'_>>,
+        executions_first: bool,
     ) -> Result<(Vec<Outcome>, Vec<ClaimedTask>)> {
         let ids: Vec<TaskId> = items.iter().map(|(t, _)| t.id).collect();
         let tokens: Vec<LeaseToken> = items.iter().map(|(t, _)| t.lease).collect();
@@ -100,7 +117,10 @@ impl Engine {
                     && self
                         .cached_definition(&t.workflow, t.workflow_version)
                         .is_some_and(|w| {
-                            !matches!(w.stages()[t.stage_index].kind(), StageKind::Step)
+                            !matches!(
+                                w.stages().get(t.stage_index).map(|s| s.kind()),
+                                Some(StageKind::Step) | None
+                            )
                         })
             });
         if counting
@@ -112,6 +132,9 @@ impl Engine {
             ));
         }
         let mut tx = crate::store::begin_on(&mut conn).await?;
+        if executions_first {
+            locks::executions_of_tasks(&mut tx, &ids).await?;
+        }
         let done = completions::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
         let last: Vec<(ExecutionId, GroupId, i32)> = fanin::last_arrivals(&mut tx, &done)
             .await?
@@ -124,7 +147,7 @@ impl Engine {
         let fired = if last.is_empty() {
             dispatch::Fired::default()
         } else {
-            dispatch::fire_many(self, &mut tx, &last).await?
+            dispatch::fire_many(self, &mut tx, &last, !executions_first).await?
         };
         let handed = match hand_off {
             Some(h) if !fired.entered.is_empty() => {

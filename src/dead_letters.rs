@@ -259,16 +259,16 @@ impl Engine {
             ExecutionStatus::Failed => true,
             status => return Err(Error::ExecutionNotResumable { execution, status }),
         };
-        // Locks in the order of a completion that fires: tasks, stripes, groups, then the
-        // execution. Holding the execution's lock, nothing can stop, time out or fire it
-        // before this commits, and a status that changed since the first read is seen.
-        let requeued = dead_letters::requeue(&mut tx, task, execution, resume).await?;
+        // The execution first, then tasks and groups (`store::locks`): holding its lock,
+        // nothing can stop, time out or fire it before this commits, and a status that
+        // changed since the first read is seen.
         let (status, deadline_passed) = dead_letters::lock_execution(&mut tx, execution)
             .await?
             .ok_or(Error::TaskNotFound(task))?;
         if ExecutionStatus::parse(&status) != seen {
             return Ok(None);
         }
+        let requeued = dead_letters::requeue(&mut tx, task, execution, resume).await?;
         let Some(own) = requeued.iter().find(|r| r.id == task) else {
             // A concurrent reprocess took it first.
             drop(tx);

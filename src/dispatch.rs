@@ -37,16 +37,18 @@ pub(crate) struct Fired {
 /// [`fire`] for many groups that reached zero in one transaction (a batch of
 /// acknowledgements), with one statement to lock their executions and set their fired
 /// markers, and one to complete the executions whose last stage they were. Each entry is
-/// `(execution, group, stage_index)`.
+/// `(execution, group, stage_index)`. `nowait`: the caller has not locked the executions
+/// first, so their locks are asked for without waiting (see [`crate::store::locks`]).
 pub(crate) async fn fire_many(
     engine: &Engine,
     conn: &mut PgConnection,
     arrivals: &[(ExecutionId, GroupId, i32)],
+    nowait: bool,
 ) -> Result<Fired> {
     let executions: Vec<ExecutionId> = arrivals.iter().map(|a| a.0).collect();
     let groups: Vec<GroupId> = arrivals.iter().map(|a| a.1).collect();
     let stage_of: HashMap<GroupId, i32> = arrivals.iter().map(|a| (a.1, a.2)).collect();
-    let rows = executions::lock_and_mark_fired_many(conn, &executions, &groups).await?;
+    let rows = executions::lock_and_mark_fired_many(conn, &executions, &groups, nowait).await?;
     let mut fired = Fired::default();
     let (mut completed, mut stages, mut outputs) = (Vec::new(), Vec::new(), Vec::new());
     for row in rows.into_iter().filter(|r| r.fired) {

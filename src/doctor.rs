@@ -9,7 +9,7 @@ use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId};
-use crate::store::audit;
+use crate::store::{audit, locks};
 
 /// What [`Engine::doctor`] found. Empty on a healthy database.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -186,9 +186,10 @@ impl Engine {
                 continue;
             }
             let mut tx = crate::store::begin(self.pool()).await?;
-            // Stripes, then the group (as completions and the counter repair lock them),
+            // The execution (this may fire), stripes, then the group (`store::locks`),
             // then the re-check; if the group no longer needs firing, the re-count is
             // rolled back with the transaction.
+            locks::execution(&mut tx, execution).await?;
             audit::recount(&mut tx, group).await?;
             if audit::lock_if_unfired(&mut tx, group).await? {
                 if dispatch::fire(self, &mut tx, execution, group, stage).await? {

@@ -18,7 +18,7 @@ use crate::fanin::{self, FanInStrategy, Member};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::metrics;
 use crate::store::tasks::HandlerKeys;
-use crate::store::{executions, groups, tasks};
+use crate::store::{executions, groups, locks, tasks};
 
 /// A task claimed for one attempt.
 #[derive(Clone, Debug)]
@@ -301,7 +301,13 @@ impl Engine {
         {
             return Ok(Outcome::Completed { fired: false });
         }
+        // This arrival may fire. A counting strategy holds the group's row when it finds
+        // out, so it takes the execution's lock first (`store::locks`); the re-counting
+        // ones hold only the task's row when they lock the execution.
         let mut tx = crate::store::begin_on(&mut conn).await?;
+        if task.fan_in.counts() {
+            locks::execution_of_task(&mut tx, task.id).await?;
+        }
         let arrival = task
             .fan_in
             .complete(&mut tx, task.id, task.lease, output)
@@ -376,9 +382,10 @@ impl Engine {
             .get(a.stage_index)
             .ok_or_else(|| beyond_stages(a.id, a.stage_index, &workflow))?;
         let fails_execution = stage.fails_execution_on_member_failure();
-        if fails_execution && (permanent || a.attempt >= a.max_attempts) {
-            // Lock order: execution before group, as a cancel takes them.
-            executions::lock_for_transition(&mut tx, a.execution_id).await?;
+        if fails_execution || (a.fan_in.counts() && (permanent || a.attempt >= a.max_attempts)) {
+            // A dead letter fails the execution, or counts its group down and may fire
+            // it: the execution first (`store::locks`).
+            locks::execution_of_task(&mut tx, a.id).await?;
         }
         let row =
             tasks::fail_counting_down(&mut tx, a.id, a.lease, error, permanent, only_if_expired)

@@ -7,8 +7,10 @@ use confluo::{Engine, Stage, Workflow};
 use sqlx::ConnectOptions;
 
 fn server_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| {
+        confluo_testkit::server::process_local_url()
+            .expect("no DATABASE_URL, and no throwaway PostgreSQL could start")
+    })
 }
 
 /// `url` with its database replaced by `database`.

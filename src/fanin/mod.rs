@@ -63,6 +63,12 @@ impl FanInStrategy {
         }
     }
 
+    /// Whether the strategy keeps a counter (countdown, striped): an arrival counts it
+    /// down and learns from it whether it was the last, holding the counter's row.
+    pub(crate) fn counts(self) -> bool {
+        matches!(self, FanInStrategy::Countdown | FanInStrategy::Striped)
+    }
+
     /// Records a successful attempt and decides whether it was its group's last arrival.
     /// `None`: the attempt no longer holds its lease, or was already acknowledged.
     pub(crate) async fn complete(

@@ -168,16 +168,6 @@ pub(crate) async fn insert_many(
         .collect()
 }
 
-/// Locks the execution row as a stage transition does, to take locks in the order a
-/// transition would (execution before group).
-pub(crate) async fn lock_for_transition(conn: &mut PgConnection, id: ExecutionId) -> Result<()> {
-    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
-        .bind(id)
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
 /// An execution locked for a transition, and whether the group's fired marker was set.
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct FiringRow {
@@ -227,14 +217,16 @@ pub(crate) struct FiringGroupRow {
 }
 
 /// [`lock_and_mark_fired`] for many groups at once (each paired with its execution), in
-/// one statement: the executions are locked in id order, as every path that locks several
-/// takes them, after the groups this transaction counted down.
+/// one statement: the executions are locked in id order. `nowait`: the transaction holds
+/// groups and has not locked these executions yet, so it must not wait for them (see
+/// [`locks`](super::locks)): a taken one fails the statement with 55P03.
 pub(crate) async fn lock_and_mark_fired_many(
     conn: &mut PgConnection,
     executions: &[ExecutionId],
     groups: &[GroupId],
+    nowait: bool,
 ) -> Result<Vec<FiringGroupRow>> {
-    Ok(sqlx::query_as(
+    let sql = format!(
         "WITH v AS (
             SELECT * FROM unnest($1::uuid[], $2::uuid[]) AS v(execution_id, group_id)
          ), e AS (
@@ -242,7 +234,7 @@ pub(crate) async fn lock_and_mark_fired_many(
               FROM confluo.execution x
              WHERE x.id IN (SELECT execution_id FROM v)
              ORDER BY x.id
-               FOR NO KEY UPDATE
+               FOR NO KEY UPDATE {}
          ), marked AS (
             UPDATE confluo.stage_group g SET fired_at = now()
               FROM v, e
@@ -253,11 +245,13 @@ pub(crate) async fn lock_and_mark_fired_many(
          SELECT v.group_id, v.execution_id, e.workflow_name, e.workflow_version, e.fan_in,
                 EXISTS (SELECT 1 FROM marked m WHERE m.id = v.group_id) AS fired
            FROM v JOIN e ON e.id = v.execution_id",
-    )
-    .bind(executions)
-    .bind(groups)
-    .fetch_all(conn)
-    .await?)
+        if nowait { "NOWAIT" } else { "" }
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(executions)
+        .bind(groups)
+        .fetch_all(conn)
+        .await?)
 }
 
 /// [`complete`] for many executions at once, in one statement.

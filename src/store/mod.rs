@@ -24,6 +24,7 @@ pub(crate) mod completions;
 pub(crate) mod dead_letters;
 pub(crate) mod executions;
 pub(crate) mod groups;
+pub(crate) mod locks;
 pub(crate) mod tasks;
 pub(crate) mod workflows;
 

@@ -393,6 +393,30 @@ impl Drop for LocalPostgres {
     }
 }
 
+/// The URL of a throwaway server shared by the whole process (for test binaries): started
+/// on first use, stopped and removed by its watchdog when the process exits.
+pub fn process_local_url() -> anyhow::Result<String> {
+    static LOCAL: std::sync::OnceLock<Result<LocalPostgres, String>> = std::sync::OnceLock::new();
+    let local = LOCAL.get_or_init(|| {
+        // A runtime of its own, on a thread of its own: callers may be inside one.
+        std::thread::spawn(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            runtime
+                .block_on(LocalPostgres::start())
+                .map_err(|e| format!("{e:#}"))
+        })
+        .join()
+        .unwrap_or_else(|_| Err("starting the server panicked".to_owned()))
+    });
+    match local {
+        Ok(local) => Ok(local.url()),
+        Err(error) => bail!("{error}"),
+    }
+}
+
 /// 32 random hex digits, from the kernel.
 fn random_password() -> anyhow::Result<String> {
     use std::io::Read;

@@ -1,9 +1,11 @@
 //! Test databases: one fresh database per test, cloned from a migrated template, so tests
 //! run in parallel without seeing each other's rows.
 //!
-//! The server is `DATABASE_URL` when set; otherwise a PostgreSQL 16 container through
-//! testcontainers when a Docker engine answers; otherwise the test fails with a message
-//! saying how to provide one.
+//! The server is `DATABASE_URL` when set; otherwise a throwaway server of the test
+//! binary's own, started from the machine's PostgreSQL binaries (removed when the binary
+//! exits; the user's own server is never touched); otherwise a PostgreSQL 16 container
+//! through testcontainers when a Docker engine answers; otherwise the test fails with a
+//! message saying how to provide one.
 #![allow(dead_code, unreachable_pub)]
 
 use std::hash::{Hash, Hasher};
@@ -134,14 +136,19 @@ fn admin_options() -> PgConnectOptions {
     static URL: OnceLock<String> = OnceLock::new();
     let url = URL.get_or_init(|| match std::env::var("DATABASE_URL") {
         Ok(url) => url,
-        Err(_) => container_url().unwrap_or_else(|reason| {
-            panic!(
-                "confluo's tests need PostgreSQL. Set DATABASE_URL, e.g.\n  \
-                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo test\n\
-                 or make a Docker engine reachable so a PostgreSQL 16 container can start \
-                 ({reason}), or run `bash .ci/run`, which finds or starts a local server."
-            )
-        }),
+        Err(_) => confluo_testkit::server::process_local_url()
+            .map_err(|e| format!("{e:#}"))
+            .or_else(|local| container_url().map_err(|docker| (local, docker)))
+            .unwrap_or_else(|(local, docker)| {
+                panic!(
+                    "confluo's tests need PostgreSQL, and none could be found or started.\n  \
+                     Set DATABASE_URL, e.g. \
+                     DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo test\n  \
+                     or install PostgreSQL's server binaries (apt install postgresql), for \
+                     a throwaway server: {local}\n  \
+                     or make a Docker engine reachable, for a container: {docker}"
+                )
+            }),
     });
     PgConnectOptions::from_str(url).expect("DATABASE_URL is not a valid PostgreSQL URL")
 }

@@ -43,21 +43,18 @@ pub struct Gate {
 }
 
 impl Gate {
-    /// A gate listening on a local port, forwarding to `upstream` (TCP only).
+    /// A gate listening on a local port, forwarding to `upstream` (over TCP, or to the
+    /// Unix socket of a throwaway server).
     pub async fn start(upstream: &PgConnectOptions) -> Gate {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind a port");
         let port = listener.local_addr().unwrap().port();
-        let target = format!("{}:{}", upstream.get_host(), upstream.get_port());
-        assert!(
-            !upstream.get_host().starts_with('/'),
-            "the schedule explorer needs DATABASE_URL over TCP"
-        );
+        let target = Upstream::of(upstream);
         let state = Arc::new(Mutex::new(State::default()));
         let changed = Arc::new(Notify::new());
         let (s, c) = (state.clone(), changed.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let server = TcpStream::connect(&target).await.expect("connect upstream");
+                let server = target.connect().await;
                 tokio::spawn(forward(client, server, s.clone(), c.clone()));
             }
         });
@@ -70,6 +67,22 @@ impl Gate {
 
     /// `upstream` pointed at the gate (without TLS, so that the gate can read the protocol).
     pub fn options(&self, upstream: &PgConnectOptions) -> PgConnectOptions {
+        if upstream.get_host().starts_with('/') {
+            // A throwaway server's socket (trusted, no password): options set on a socket
+            // cannot be pointed at TCP, so build them again.
+            let mut options = PgConnectOptions::new()
+                .host("127.0.0.1")
+                .port(self.port)
+                .username(upstream.get_username())
+                .ssl_mode(PgSslMode::Disable);
+            if let Some(database) = upstream.get_database() {
+                options = options.database(database);
+            }
+            if std::env::var_os("CONFLUO_TEST_ISOLATION").is_some() {
+                options = confluo::read_committed(options);
+            }
+            return options;
+        }
         upstream
             .clone()
             .host("127.0.0.1")
@@ -164,16 +177,51 @@ fn shorten(sql: &str) -> String {
     }
 }
 
+/// Where the gate forwards to.
+#[derive(Clone)]
+enum Upstream {
+    Tcp(String),
+    Socket(std::path::PathBuf),
+}
+
+trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
+
+impl Upstream {
+    fn of(options: &PgConnectOptions) -> Upstream {
+        let (host, port) = (options.get_host(), options.get_port());
+        if host.starts_with('/') {
+            Upstream::Socket(format!("{host}/.s.PGSQL.{port}").into())
+        } else {
+            Upstream::Tcp(format!("{host}:{port}"))
+        }
+    }
+
+    async fn connect(&self) -> Box<dyn Stream> {
+        match self {
+            Upstream::Tcp(addr) => {
+                let stream = TcpStream::connect(addr).await.expect("connect upstream");
+                let _ = stream.set_nodelay(true);
+                Box::new(stream)
+            }
+            Upstream::Socket(path) => Box::new(
+                tokio::net::UnixStream::connect(path)
+                    .await
+                    .expect("connect upstream"),
+            ),
+        }
+    }
+}
+
 async fn forward(
     client: TcpStream,
-    server: TcpStream,
+    server: Box<dyn Stream>,
     state: Arc<Mutex<State>>,
     changed: Arc<Notify>,
 ) {
     let _ = client.set_nodelay(true);
-    let _ = server.set_nodelay(true);
     let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
+    let (mut server_read, mut server_write) = tokio::io::split(server);
 
     let (up_state, up_changed) = (state.clone(), changed.clone());
     let upstream = async move {

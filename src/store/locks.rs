@@ -1,0 +1,65 @@
+//! The one lock order. Every transaction that locks rows of several kinds takes them in
+//! this order, each kind in id order:
+//!
+//! 1. **executions** (`FOR NO KEY UPDATE`, or `FOR UPDATE` for the row-lock fan-in);
+//! 2. **tasks**;
+//! 3. **stripes** of striped groups;
+//! 4. **groups** (the countdown rows).
+//!
+//! A transaction may skip a kind, never go back to an earlier one and wait. So every path
+//! that may fire a group, stop an execution or count a group back up takes the
+//! execution's lock first: a cancel, a deadline time-out, a fail-fast dead letter, a
+//! reprocess, a single completion that may be its group's last, a repair. Completions that
+//! cannot be the last (one autocommitted statement: the task, then its stripe or group)
+//! never touch the execution. A batch of completions takes no execution lock up front
+//! unless it expects to fire; when its statement drains a group anyway, it asks for the
+//! execution's lock without waiting (`NOWAIT`), and if someone holds it (a cancel, a
+//! reprocess), the batch rolls back and starts over with the executions locked first. No
+//! path waits for a lock of an earlier kind while holding a later one, so none can
+//! deadlock another.
+
+use sqlx::PgConnection;
+
+use crate::error::{Error, Result};
+use crate::ids::{ExecutionId, TaskId};
+
+/// Locks an execution.
+pub(crate) async fn execution(conn: &mut PgConnection, id: ExecutionId) -> Result<()> {
+    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(id)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Locks the execution of a task (read from the task's row, not from the caller).
+pub(crate) async fn execution_of_task(conn: &mut PgConnection, task: TaskId) -> Result<()> {
+    sqlx::query(
+        "SELECT 1 FROM confluo.execution
+          WHERE id = (SELECT execution_id FROM confluo.task WHERE id = $1)
+            FOR NO KEY UPDATE",
+    )
+    .bind(task)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Locks the executions of tasks, in id order.
+pub(crate) async fn executions_of_tasks(conn: &mut PgConnection, tasks: &[TaskId]) -> Result<()> {
+    sqlx::query(
+        "SELECT 1 FROM confluo.execution
+          WHERE id IN (SELECT execution_id FROM confluo.task WHERE id = ANY($1))
+          ORDER BY id
+            FOR NO KEY UPDATE",
+    )
+    .bind(tasks)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Whether `error` is a `NOWAIT` lock request that found the row taken (55P03).
+pub(crate) fn is_taken(error: &Error) -> bool {
+    matches!(error, Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03"))
+}
