@@ -167,6 +167,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetterSummary>> {
         let mut conn = self.pool().acquire().await?;
         let rows = dead_letters::list(
@@ -184,6 +187,9 @@ impl Engine {
     /// # Errors
     /// [`Error::TaskNotFound`]; [`Error::NotDeadLettered`] if the task is not dead;
     /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn dead_letter(&self, task: TaskId) -> Result<DeadLetterDetail> {
         let mut conn = self.pool().acquire().await?;
         let row = dead_letters::get(&mut conn, task)
@@ -226,6 +232,10 @@ impl Engine {
     /// reprocess took it first); [`Error::ExecutionNotResumable`] when the execution is
     /// completed, cancelled or timed out; [`Error::DeadlinePassed`] when it failed and its
     /// deadline has passed since; [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Each try is one transaction: dropped before its commit, nothing is requeued. If the
+    /// commit's answer is lost, [`dead_letter`](Self::dead_letter) tells whether the task is still dead.
     pub async fn reprocess(&self, task: TaskId) -> Result<Reprocessed> {
         let mut conflicts = 0;
         loop {

@@ -16,6 +16,10 @@ impl Engine {
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); executions timed out before the error
     /// stay timed out.
+    ///
+    /// # Cancel safety
+    /// Each execution is timed out in a transaction of its own: dropped, those timed out
+    /// so far stay timed out, the one in progress is not, and the next call goes on.
     pub async fn time_out_expired(&self, limit: usize) -> Result<Vec<ExecutionId>> {
         let mut timed_out = Vec::new();
         let mut conflicts = 0;

@@ -117,6 +117,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn doctor(&self) -> Result<Diagnosis> {
         let mut conn = self.pool().acquire().await?;
         let counters = audit::counter_mismatches(&mut conn).await?;
@@ -149,6 +152,10 @@ impl Engine {
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); what was repaired before the error
     /// stays repaired.
+    ///
+    /// # Cancel safety
+    /// Each repair is a transaction of its own: dropped, what was repaired stays repaired and
+    /// the one in progress is rolled back; calling it again finishes the job.
     pub async fn repair(&self) -> Result<Repairs> {
         let found = self.doctor().await?;
         let mut repairs = Repairs::default();

@@ -115,6 +115,10 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Migrate`] or [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Each migration is applied in a transaction of its own: dropped, those applied stay
+    /// applied and calling it again applies the rest.
     pub async fn migrate(&self) -> Result<()> {
         store::migrate(&self.inner.pool).await
     }
@@ -125,6 +129,10 @@ impl Engine {
     /// # Errors
     /// [`Error::InvalidDefinition`] for an invalid definition;
     /// [`Error::DefinitionConflict`] if this name and version hold another definition.
+    ///
+    /// # Cancel safety
+    /// One statement: dropped, the definition is stored or not; registering it again is a
+    /// no-op if it was.
     pub async fn register(&self, workflow: &Workflow) -> Result<()> {
         workflow.validate()?;
         workflows::register(&self.inner.pool, workflow).await?;
@@ -136,6 +144,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::ExecutionNotFound`]; [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn execution(&self, id: ExecutionId) -> Result<Execution> {
         let pool = &self.inner.pool;
         let row = executions::get(pool, id)
@@ -201,6 +212,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::ExecutionNotFound`]; [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn status(&self, id: ExecutionId) -> Result<ExecutionStatus> {
         executions::status(&self.inner.pool, id)
             .await?
@@ -238,6 +252,10 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::ExecutionNotFound`]; [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// One transaction: dropped before its commit, nothing is cancelled. If the commit's
+    /// answer is lost, [`status`](Self::status) tells; cancelling again is harmless.
     pub async fn cancel(&self, id: ExecutionId) -> Result<bool> {
         let stopped = retry_conflicts(|| async {
             let mut tx = crate::store::begin(&self.inner.pool).await?;

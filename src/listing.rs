@@ -127,6 +127,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn members(
         &self,
         execution: ExecutionId,
@@ -162,6 +165,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn queue_depth(&self) -> Result<QueueDepth> {
         let mut conn = self.pool().acquire().await?;
         let row = tasks::queue_depth(&mut conn).await?;
@@ -176,6 +182,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<ExecutionSummary>> {
         let rows = executions::list(
             self.pool(),
@@ -213,6 +222,10 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); what was deleted before stays deleted.
+    ///
+    /// # Cancel safety
+    /// Each batch is a transaction of its own: dropped, the batches deleted so far stay
+    /// deleted, the one in progress is not.
     pub async fn purge(&self, cutoff: DateTime<Utc>, batch: usize) -> Result<u64> {
         let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
         let mut deleted = 0;

@@ -92,6 +92,11 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// One statement. Dropped after the server ran it and before its rows came back, the
+    /// tasks it claimed are nobody's: they come back when their leases expire, each with an
+    /// attempt counted (it may have run). Use [`Engine::worker`], which never drops a claim.
     pub async fn claim(
         &self,
         worker_id: &str,
@@ -135,6 +140,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn claim_plan(&self, handlers: &[(&str, &str)], limit: usize) -> Result<String> {
         let keys = HandlerKeys {
             workflows: handlers.iter().map(|(w, _)| (*w).to_owned()).collect(),
@@ -189,6 +197,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
     pub async fn task_input(&self, task: &ClaimedTask) -> Result<Value> {
         if let Some(input) = &task.input {
             return Ok(input.clone());
@@ -210,6 +221,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// One statement: dropped, the lease is renewed or not; renewing again is harmless.
     pub async fn renew_lease(
         &self,
         task: &ClaimedTask,
@@ -236,8 +250,12 @@ impl Engine {
     /// repeat the call to find out).
     ///
     /// # Cancel safety
-    /// One transaction (a single statement when the arrival cannot be its group's last):
-    /// dropped before the commit, nothing is recorded.
+    /// One transaction, or a single autocommitted statement when the arrival cannot be
+    /// its group's last: dropped before the commit, nothing is recorded. Dropped after
+    /// the server committed (the fast path's statement commits on its own, and a
+    /// transaction's answer can be lost), the completion stands and the caller never
+    /// learns the outcome: calling again returns [`Outcome::AlreadyRecorded`], and if that
+    /// commit fired the group, the next stage runs all the same (`fired` is only news).
     pub async fn complete(&self, task: &ClaimedTask, output: Value) -> Result<Outcome> {
         self.check_output(task, &output).await?;
         let started = Instant::now();
@@ -337,6 +355,10 @@ impl Engine {
     /// # Errors
     /// [`Error::TaskNotFound`]; [`Error::Database`]. Safe to repeat, like
     /// [`complete`](Self::complete).
+    ///
+    /// # Cancel safety
+    /// One transaction: dropped before its commit, nothing is recorded and the attempt stays
+    /// running until its lease expires (or it is failed again: safe to repeat).
     pub async fn fail(&self, task: &ClaimedTask, error: &str, permanent: bool) -> Result<Outcome> {
         let attempt = Attempt {
             id: task.id,
@@ -442,6 +464,10 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// One statement: dropped, the task is given back or stays claimed; if it stays, it
+    /// comes back when its lease expires, with the attempt counted.
     pub async fn release(&self, task: &ClaimedTask) -> Result<bool> {
         let mut conn = self.pool().acquire().await?;
         tasks::release(&mut conn, task.id, task.lease).await

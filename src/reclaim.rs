@@ -100,7 +100,7 @@ fn about_the_row(error: &Error) -> bool {
             db.code()
                 .is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
         }
-        Error::Database(_) | Error::Migrate(_) => false,
+        Error::Database(_) | Error::Migrate(_) | Error::Connect(_) => false,
         _ => true,
     }
 }

@@ -91,6 +91,10 @@ impl Engine {
     ///
     /// # Errors
     /// As [`start`](Self::start).
+    ///
+    /// # Cancel safety
+    /// One transaction: dropped before it commits, nothing was started. If the commit's answer
+    /// is lost, starting again with the same idempotency key returns the execution it made.
     pub async fn start_with<I: Serialize + ?Sized>(
         &self,
         workflow: &str,

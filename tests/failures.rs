@@ -318,3 +318,62 @@ async fn killed_connections_lose_no_task() {
     assert_eq!(done.output, Some(json!(1500)));
     assert_eq!(done.stages[0].completed, 1500);
 }
+
+/// A handler whose lease is lost (here: another attempt took the task, as a reclaim
+/// would) is told through `TaskContext::cancellation()` before it is aborted, and what it
+/// returns afterwards changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_lease_is_told_to_the_handler_before_it_is_aborted() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let db = TestDb::new(6).await;
+    db.register(&Workflow::new("long", 1).step("wait")).await;
+    let (started, told) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (s, t) = (started.clone(), told.clone());
+    let worker = quick_worker(&db.engine, move |w| {
+        w.lease(Duration::from_millis(300))
+            .handler("long", "wait", move |ctx| {
+                let (s, t) = (s.clone(), t.clone());
+                async move {
+                    s.store(true, Ordering::SeqCst);
+                    ctx.cancellation().cancelled().await;
+                    t.store(true, Ordering::SeqCst);
+                    Ok::<_, TaskError>(json!("late"))
+                }
+            })
+    })
+    .await;
+    let id = db.engine.start("long", &json!(null)).await.unwrap();
+    assert!(
+        common::eventually(WAIT, || async { started.load(Ordering::SeqCst) }).await,
+        "the handler started"
+    );
+    // Someone else's attempt now: the worker's next renewal finds its lease gone.
+    sqlx::query("UPDATE confluo.task SET lease_token = gen_random_uuid() WHERE execution_id = $1")
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(10), || async {
+            told.load(Ordering::SeqCst)
+        })
+        .await,
+        "the handler saw its cancellation"
+    );
+    worker.shutdown().await;
+    let (status, output): (String, Option<Value>) =
+        sqlx::query_as("SELECT status, output FROM confluo.task WHERE execution_id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), output),
+        ("running", None),
+        "its late result changed nothing"
+    );
+}

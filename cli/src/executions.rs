@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 
+use anyhow::Context;
 use confluo::{Engine, Execution, ExecutionId, ExecutionStatus, ListFilter};
 
 #[derive(clap::Args)]
@@ -221,17 +222,26 @@ pub fn parse_age(s: &str) -> Result<chrono::Duration, String> {
     let n: i64 = number
         .parse()
         .map_err(|_| format!("{s:?}: expected e.g. 30d, 12h, 45m"))?;
-    match unit {
-        "d" => Ok(chrono::Duration::days(n)),
-        "h" => Ok(chrono::Duration::hours(n)),
-        "m" => Ok(chrono::Duration::minutes(n)),
-        "s" => Ok(chrono::Duration::seconds(n)),
-        _ => Err(format!("{s:?}: the unit must be d, h, m or s")),
-    }
+    let age = match unit {
+        "d" => chrono::Duration::try_days(n),
+        "h" => chrono::Duration::try_hours(n),
+        "m" => chrono::Duration::try_minutes(n),
+        "s" => chrono::Duration::try_seconds(n),
+        _ => return Err(format!("{s:?}: the unit must be d, h, m or s")),
+    };
+    age.ok_or_else(|| format!("{s:?}: too long (at most about 106 751 991 days)"))
 }
 
 pub async fn purge(engine: Engine, args: PurgeArgs) -> anyhow::Result<ExitCode> {
-    let cutoff = chrono::Utc::now() - args.older_than;
+    let cutoff = chrono::Utc::now()
+        .checked_sub_signed(args.older_than)
+        .with_context(|| {
+            format!(
+                "--older-than {} days reaches before the earliest date there is: nothing that \
+                 old exists, so there is nothing to purge; give a shorter age",
+                args.older_than.num_days()
+            )
+        })?;
     let deleted = engine.purge(cutoff, args.batch).await?;
     if args.json {
         println!(

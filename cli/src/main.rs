@@ -84,6 +84,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    quiet_on_a_closed_pipe();
     let cli = Cli::parse();
     // Under `stress` the engine's warnings (reclaimed leases, lost connections) are the
     // injected faults doing their work: only errors are shown, unless RUST_LOG says more.
@@ -131,6 +132,25 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::from(2)
         }
     }
+}
+
+/// `confluo demo | head -1`: once the reader has gone, the next `println!` panics on the
+/// broken pipe. Exit quietly then, with the status a shell gives a process killed by
+/// SIGPIPE (128 + 13), as other command-line tools do; other panics are reported as usual.
+fn quiet_on_a_closed_pipe() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.contains("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        report(info);
+    }));
 }
 
 /// A signal asked the command to stop.

@@ -170,6 +170,38 @@ async fn list_inspect_cancel_and_doctor() {
         "{}",
         text(&bad_status)
     );
+    // No panics: an age beyond any duration, one reaching before the earliest date, a
+    // reader that went away.
+    let too_long = confluo(&url, &["purge", "--older-than", "99999999999999d"]);
+    assert_eq!(too_long.status.code(), Some(2), "{}", text(&too_long));
+    assert!(text(&too_long).contains("too long"), "{}", text(&too_long));
+    let too_old = confluo(&url, &["purge", "--older-than", "106751990d"]);
+    assert_eq!(too_old.status.code(), Some(2), "{}", text(&too_old));
+    assert!(
+        text(&too_old).contains("nothing to purge"),
+        "{}",
+        text(&too_old)
+    );
+    let mut closed = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .args(["--database-url", &url, "list"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(closed.stdout.take()); // the reader is gone before the first line
+    let closed = closed.wait_with_output().unwrap();
+    assert_eq!(
+        closed.status.code(),
+        Some(141),
+        "{}",
+        String::from_utf8_lossy(&closed.stderr)
+    );
+    assert!(
+        closed.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&closed.stderr)
+    );
+
     let unreachable = confluo("postgres://postgres@127.0.0.1:1/postgres", &["list"]);
     assert_eq!(unreachable.status.code(), Some(2));
     assert!(

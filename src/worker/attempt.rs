@@ -2,6 +2,7 @@
 //! under the stage's timeout, while the lease is renewed every third of it.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{sleep, Instant};
@@ -100,6 +101,7 @@ async fn run_handler(state: &State, held: &Held) -> Ending {
                 Err(_) => Ending::Stopped,
             },
             _ = &mut timeout => {
+                cancellation.cancel();
                 call.abort();
                 break Ending::TimedOut;
             }
@@ -111,6 +113,10 @@ async fn run_handler(state: &State, held: &Held) -> Ending {
                 Ok(Some(ExecutionStatus::Running)) => {}
                 Ok(Some(_)) => cancellation.cancel(),
                 Ok(None) => {
+                    // Told first, as `TaskContext::cancellation` promises, with a moment to
+                    // stop on its own; whatever it returns changes nothing.
+                    cancellation.cancel();
+                    let _ = tokio::time::timeout(LOST_LEASE_GRACE, &mut call).await;
                     call.abort();
                     break Ending::LeaseLost;
                 }
@@ -126,6 +132,9 @@ async fn run_handler(state: &State, held: &Held) -> Ending {
     );
     ending
 }
+
+/// How long a handler whose lease was lost has, once told, to stop before it is aborted.
+const LOST_LEASE_GRACE: Duration = Duration::from_secs(1);
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {

@@ -32,9 +32,11 @@ pub enum Server {
     Container(Box<Container>),
 }
 
-/// A testcontainers PostgreSQL, removed on drop.
+/// A testcontainers PostgreSQL, removed on drop (with the `docker` feature).
+#[cfg_attr(not(feature = "docker"), allow(dead_code))]
 pub struct Container {
     options: PgConnectOptions,
+    #[cfg(feature = "docker")]
     _container: testcontainers::ContainerAsync<testcontainers_modules::postgres::Postgres>,
 }
 
@@ -504,6 +506,15 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+#[cfg(not(feature = "docker"))]
+async fn start_container() -> anyhow::Result<Container> {
+    bail!(
+        "built without the `docker` feature (which brings testcontainers and its gRPC stack): \
+         rebuild with `--features docker` to use a container"
+    )
+}
+
+#[cfg(feature = "docker")]
 async fn start_container() -> anyhow::Result<Container> {
     use testcontainers::runners::AsyncRunner;
     use testcontainers::ImageExt;
