@@ -8,13 +8,14 @@ use std::time::Duration;
 use serde_json::Value;
 use sqlx::types::Json;
 
+use crate::claimed::ClaimedTask;
 use crate::definition::StageKind;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{retry_conflicts, Result};
 use crate::fanin::{self, FanInStrategy};
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
-use crate::queue::{self, ClaimedTask, Outcome};
+use crate::queue::Outcome;
 use crate::store::tasks::{self, HandlerKeys};
 use crate::store::{completions, locks};
 
@@ -161,7 +162,7 @@ impl Engine {
                         &mut tx,
                         h.worker_id,
                         room as i64,
-                        queue::millis(h.lease),
+                        crate::store::millis(h.lease),
                         h.handlers,
                         &fired.entered,
                     )

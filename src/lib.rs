@@ -54,6 +54,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod batch;
+mod claimed;
 mod connect;
 mod dead_letters;
 mod deadline;
@@ -74,6 +75,7 @@ mod start;
 mod store;
 mod worker;
 
+pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
 pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
@@ -88,8 +90,8 @@ pub use fanin::{FanInStrategy, UnknownStrategy};
 pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 pub use listing::{ExecutionSummary, ListFilter, MemberSummary, QueueDepth};
-pub use queue::{ClaimedTask, Outcome};
-pub use start::StartOptions;
+pub use queue::Outcome;
+pub use start::{StartOptions, Started};
 pub use worker::{Worker, WorkerBuilder};
 
 /// The README's examples, compiled as doctests so that they cannot drift from the API.

@@ -9,52 +9,17 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
+use crate::claimed::{beyond_stages, ClaimedTask};
 use crate::definition::StageKind;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{retry_conflicts, Error, Result};
 use crate::execution::ExecutionStatus;
 use crate::fanin::{self, FanInStrategy, Member};
-use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+use crate::ids::{ExecutionId, LeaseToken, TaskId};
 use crate::metrics;
 use crate::store::tasks::HandlerKeys;
-use crate::store::{executions, groups, locks, tasks};
-
-/// A task claimed for one attempt.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct ClaimedTask {
-    /// The task.
-    pub id: TaskId,
-    /// Its execution.
-    pub execution_id: ExecutionId,
-    /// Its stage's group (countdown row).
-    pub group_id: GroupId,
-    /// Its workflow.
-    pub workflow: String,
-    /// The workflow version its execution is pinned to.
-    pub workflow_version: i32,
-    /// Its stage's position.
-    pub stage_index: usize,
-    /// The handler that runs it (stage name, or branch name in a parallel stage).
-    pub handler: String,
-    /// Its position in the group.
-    pub item_index: u32,
-    /// This attempt's number, from 1.
-    pub attempt: u32,
-    /// Attempts allowed in all.
-    pub max_attempts: u32,
-    /// The token that fences this attempt.
-    pub lease: LeaseToken,
-    /// When the lease runs out unless renewed.
-    pub lease_expires_at: DateTime<Utc>,
-    /// The stage's per-attempt timeout.
-    pub timeout: Duration,
-    /// The fan-in strategy of its group, which decides its arrival.
-    pub fan_in: FanInStrategy,
-    pub(crate) input: Option<Value>,
-    pub(crate) execution_status: ExecutionStatus,
-}
+use crate::store::{executions, groups, locks, millis, tasks};
 
 /// What an acknowledgement did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -520,110 +485,4 @@ pub(crate) struct Attempt<'a> {
     pub fan_in: FanInStrategy,
     pub attempt: u32,
     pub max_attempts: u32,
-}
-
-pub(crate) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// The claimed rows as the tasks a worker runs; those this build cannot read (see
-/// [`Engine::readable`]) apart, with why.
-pub(crate) fn claimed_tasks(
-    rows: Vec<tasks::ClaimedRow>,
-) -> (Vec<ClaimedTask>, Vec<(TaskId, LeaseToken, String)>) {
-    let mut unreadable = Vec::new();
-    let tasks = rows
-        .into_iter()
-        .filter_map(|r| {
-            let fan_in = match r.fan_in.parse::<FanInStrategy>() {
-                Ok(fan_in) => fan_in,
-                Err(e) => {
-                    unreadable.push((r.id, r.lease_token, e.to_string()));
-                    return None;
-                }
-            };
-            Some(ClaimedTask {
-                id: r.id,
-                execution_id: r.execution_id,
-                group_id: r.group_id,
-                workflow: r.workflow_name,
-                workflow_version: r.workflow_version,
-                stage_index: r.stage_index as usize,
-                handler: r.handler,
-                item_index: r.item_index as u32,
-                attempt: r.attempt as u32,
-                max_attempts: r.max_attempts as u32,
-                lease: r.lease_token,
-                lease_expires_at: r.lease_expires_at,
-                timeout: Duration::from_millis(r.timeout_ms.max(0) as u64),
-                input: r.input.map(|j| j.0),
-                execution_status: ExecutionStatus::parse(&r.execution_status),
-                fan_in,
-            })
-        })
-        .collect();
-    (tasks, unreadable)
-}
-
-/// The error for a stage index beyond the workflow's stages.
-pub(crate) fn beyond_stages(task: TaskId, index: usize, workflow: &crate::Workflow) -> Error {
-    Error::UnreadableTask {
-        task,
-        reason: format!(
-            "its stage index {index} is beyond the {} stage(s) of workflow {} v{}",
-            workflow.stages().len(),
-            workflow.name(),
-            workflow.version()
-        ),
-    }
-}
-
-/// How long a claimed task this build cannot run waits before it is due again.
-const SET_ASIDE: Duration = Duration::from_secs(60);
-
-impl Engine {
-    /// The claimed rows as tasks, once those this build cannot run are given back: a
-    /// fan-in strategy it does not know (written by a newer version, say), a workflow
-    /// version or stage it cannot find. Each of those is given back uncounted, due again
-    /// in a minute (for a worker that can run it), and reported; the others are returned.
-    pub(crate) async fn readable(&self, rows: Vec<tasks::ClaimedRow>) -> Result<Vec<ClaimedTask>> {
-        let (tasks, mut unreadable) = claimed_tasks(rows);
-        let mut readable = Vec::with_capacity(tasks.len());
-        for task in tasks {
-            let known = match self.cached_definition(&task.workflow, task.workflow_version) {
-                Some(workflow) => Ok(workflow),
-                None => {
-                    let mut conn = self.pool().acquire().await?;
-                    self.definition(&mut conn, &task.workflow, task.workflow_version)
-                        .await
-                }
-            };
-            match known {
-                Ok(w) if task.stage_index < w.stages().len() => readable.push(task),
-                Ok(w) => unreadable.push((
-                    task.id,
-                    task.lease,
-                    beyond_stages(task.id, task.stage_index, &w).to_string(),
-                )),
-                Err(e) if e.is_not_found() => unreadable.push((task.id, task.lease, e.to_string())),
-                Err(e) => return Err(e),
-            }
-        }
-        if !unreadable.is_empty() {
-            for (task, _, reason) in &unreadable {
-                let error = Error::UnreadableTask {
-                    task: *task,
-                    reason: reason.clone(),
-                };
-                tracing::error!(task_id = %task, "{error}; given back, due again in {SET_ASIDE:?}");
-            }
-            let (ids, tokens): (Vec<TaskId>, Vec<LeaseToken>) = unreadable
-                .iter()
-                .map(|(id, token, _)| (*id, *token))
-                .unzip();
-            let mut conn = self.pool().acquire().await?;
-            tasks::set_aside(&mut conn, &ids, &tokens, millis(SET_ASIDE)).await?;
-        }
-        Ok(readable)
-    }
 }

@@ -69,6 +69,17 @@ impl StartOptions {
     }
 }
 
+/// What [`Engine::start_with`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Started {
+    /// The execution.
+    pub id: ExecutionId,
+    /// False when an earlier start with the same idempotency key had created it: nothing
+    /// was started this time.
+    pub created: bool,
+}
+
 impl Engine {
     /// Starts the latest registered version of `workflow` with `input`.
     ///
@@ -83,11 +94,28 @@ impl Engine {
         workflow: &str,
         input: &I,
     ) -> Result<ExecutionId> {
-        self.start_with(workflow, input, StartOptions::default())
-            .await
+        Ok(self
+            .start_with(workflow, input, StartOptions::default())
+            .await?
+            .id)
     }
 
-    /// [`start`](Self::start) with a version or an idempotency key.
+    /// [`start`](Self::start) with a version, an idempotency key or a deadline; says
+    /// whether it created the execution or found the one an earlier start with the same
+    /// idempotency key created.
+    ///
+    /// ```no_run
+    /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
+    /// use confluo::StartOptions;
+    /// let first = engine
+    ///     .start_with("orders", &101, StartOptions::new().idempotency_key("order-101"))
+    ///     .await?;
+    /// let again = engine
+    ///     .start_with("orders", &101, StartOptions::new().idempotency_key("order-101"))
+    ///     .await?;
+    /// assert!(first.created && !again.created && first.id == again.id);
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// As [`start`](Self::start).
@@ -100,11 +128,11 @@ impl Engine {
         workflow: &str,
         input: &I,
         options: StartOptions,
-    ) -> Result<ExecutionId> {
+    ) -> Result<Started> {
         let mut tx = crate::store::begin(self.pool()).await?;
-        let id = self.start_using(&mut tx, workflow, input, options).await?;
+        let started = self.start_in(&mut tx, workflow, input, options).await?;
         tx.commit().await?;
-        Ok(id)
+        Ok(started)
     }
 
     /// Starts an execution inside the caller's transaction, so that it exists if and only
@@ -123,6 +151,16 @@ impl Engine {
         input: &I,
         options: StartOptions,
     ) -> Result<ExecutionId> {
+        Ok(self.start_in(conn, workflow, input, options).await?.id)
+    }
+
+    async fn start_in<I: Serialize + ?Sized>(
+        &self,
+        conn: &mut PgConnection,
+        workflow: &str,
+        input: &I,
+        options: StartOptions,
+    ) -> Result<Started> {
         let input = serde_json::to_value(input)?;
         let definition = self
             .definition_to_start(conn, workflow, options.version)
@@ -146,7 +184,7 @@ impl Engine {
             dispatch::enter(conn, id, &definition, 0, None, self.fan_in()).await?;
             tracing::debug!(execution_id = %id, workflow, "execution started");
         }
-        Ok(id)
+        Ok(Started { id, created })
     }
 
     /// Starts many executions of `workflow` in one transaction, in a few statements

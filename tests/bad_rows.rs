@@ -119,7 +119,7 @@ async fn a_claim_gives_back_what_it_cannot_read() {
         .await
         .expect("the claim returns what it can read");
     assert_eq!(
-        claimed.iter().map(|t| t.execution_id).collect::<Vec<_>>(),
+        claimed.iter().map(|t| t.execution_id()).collect::<Vec<_>>(),
         vec![good]
     );
     for execution in [future, beyond] {

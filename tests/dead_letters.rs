@@ -59,18 +59,18 @@ async fn reprocessing_racing_the_groups_last_completion_dispatches_the_next_stag
         for round in 0..15 {
             let id = db.engine.start(&name, &[0, 1, 2, 3]).await.unwrap();
             let mut tasks = claim_n(&db.engine, 4).await;
-            tasks.sort_by_key(|t| t.item_index);
+            tasks.sort_by_key(|t| t.item_index());
             let last = tasks.pop().unwrap();
             let dead = tasks.pop().unwrap();
             for t in &tasks {
-                db.engine.complete(t, json!(t.item_index)).await.unwrap();
+                db.engine.complete(t, json!(t.item_index())).await.unwrap();
             }
             let outcome = db.engine.fail(&dead, "card declined", true).await.unwrap();
             assert_eq!(outcome, Outcome::DeadLettered { fired: false });
 
             // The group's last completion and the reprocess of its dead member, released
             // together on connections of their own.
-            let dead_id = dead.id;
+            let dead_id = dead.id();
             let (outcomes, reprocessed) = common::race_completions(
                 &db.engine,
                 vec![last],
@@ -80,18 +80,18 @@ async fn reprocessing_racing_the_groups_last_completion_dispatches_the_next_stag
             .await;
             let last_outcome = outcomes[0].clone();
             assert!(!reprocessed.resumed);
-            assert_eq!(reprocessed.requeued, vec![dead.id]);
+            assert_eq!(reprocessed.requeued, vec![dead.id()]);
 
             // The member runs again and succeeds.
             let again = loop {
                 let claimed = claim_n(&db.engine, 1).await;
-                if claimed[0].id == dead.id {
+                if claimed[0].id() == dead.id() {
                     break claimed.into_iter().next().unwrap();
                 }
                 // The next stage, dispatched before the reprocess: leave it for later.
                 db.engine.release(&claimed[0]).await.unwrap();
             };
-            assert_eq!(again.attempt, 1, "a fresh attempt budget");
+            assert_eq!(again.attempt(), 1, "a fresh attempt budget");
             let again_outcome = db.engine.complete(&again, json!(2)).await.unwrap();
 
             let fired = [&last_outcome, &again_outcome]
@@ -112,7 +112,7 @@ async fn reprocessing_racing_the_groups_last_completion_dispatches_the_next_stag
             // The next stage was dispatched once. It reads its input by reference when
             // claimed, so claimed now it sees the member's new output in either order.
             let after = claim_n(&db.engine, 1).await.remove(0);
-            assert_eq!(after.stage_index, 1);
+            assert_eq!(after.stage_index(), 1);
             let input: MapResults<u32> =
                 serde_json::from_value(db.engine.task_input(&after).await.unwrap()).unwrap();
             assert_eq!((input.outputs, input.failed.len()), (vec![0, 1, 2, 3], 0));
@@ -156,7 +156,7 @@ async fn reprocessing_the_dead_step_resumes_the_failed_execution() {
         .unwrap();
     for attempt in 1..=2 {
         let task = claim_n(&db.engine, 1).await.remove(0);
-        assert_eq!(task.attempt, attempt);
+        assert_eq!(task.attempt(), attempt);
         db.engine.fail(&task, "gateway down", false).await.unwrap();
     }
     let failed = db.engine.execution(id).await.unwrap();
@@ -193,7 +193,7 @@ async fn reprocessing_the_dead_step_resumes_the_failed_execution() {
         .is_empty());
 
     let task = claim_n(&db.engine, 1).await.remove(0);
-    assert_eq!((task.id, task.attempt), (dead.task_id, 1));
+    assert_eq!((task.id(), task.attempt()), (dead.task_id, 1));
     db.engine.complete(&task, json!("paid")).await.unwrap();
     let receipt = claim_n(&db.engine, 1).await.remove(0);
     assert_eq!(db.engine.task_input(&receipt).await.unwrap(), json!("paid"));
@@ -246,7 +246,7 @@ async fn resuming_a_stage_that_fails_the_execution_requeues_what_the_failure_can
             Outcome::Completed { fired: false }
         );
 
-        let reprocessed = db.engine.reprocess(dead.id).await.unwrap();
+        let reprocessed = db.engine.reprocess(dead.id()).await.unwrap();
         assert!(reprocessed.resumed, "{strategy}");
         // The dead member and the 37 that the failure cancelled.
         assert_eq!(reprocessed.requeued.len(), 38, "{strategy}");
@@ -256,11 +256,11 @@ async fn resuming_a_stage_that_fails_the_execution_requeues_what_the_failure_can
         let mut left = 38;
         while left > 0 {
             for task in db.engine.claim("test", left, LEASE).await.unwrap() {
-                assert_eq!(task.stage_index, 0);
+                assert_eq!(task.stage_index(), 0);
                 left -= 1;
                 if db
                     .engine
-                    .complete(&task, json!(task.item_index))
+                    .complete(&task, json!(task.item_index()))
                     .await
                     .unwrap()
                     == (Outcome::Completed { fired: true })
@@ -297,8 +297,8 @@ async fn what_cannot_be_reprocessed_is_refused_with_a_typed_error() {
     db.engine.fail(&tasks[0], "boom", true).await.unwrap();
 
     // Twice in a row: the second finds it queued again.
-    db.engine.reprocess(tasks[0].id).await.unwrap();
-    match db.engine.reprocess(tasks[0].id).await {
+    db.engine.reprocess(tasks[0].id()).await.unwrap();
+    match db.engine.reprocess(tasks[0].id()).await {
         Err(Error::NotDeadLettered { status, .. }) => assert_eq!(status, "pending"),
         other => panic!("{other:?}"),
     }
@@ -307,7 +307,7 @@ async fn what_cannot_be_reprocessed_is_refused_with_a_typed_error() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        db.engine.dead_letter(tasks[1].id).await,
+        db.engine.dead_letter(tasks[1].id()).await,
         Err(Error::NotDeadLettered { .. })
     ));
 
@@ -322,7 +322,7 @@ async fn what_cannot_be_reprocessed_is_refused_with_a_typed_error() {
         db.engine.status(id).await.unwrap(),
         ExecutionStatus::Completed
     );
-    match db.engine.reprocess(again.id).await {
+    match db.engine.reprocess(again.id()).await {
         Err(Error::ExecutionNotResumable { execution, status }) => {
             assert_eq!((execution, status), (id, ExecutionStatus::Completed));
         }
@@ -350,12 +350,13 @@ async fn a_failed_execution_past_its_deadline_is_not_resumed() {
             confluo::StartOptions::new().deadline(Duration::from_millis(300)),
         )
         .await
-        .unwrap();
+        .unwrap()
+        .id;
     let task = claim_n(&db.engine, 1).await.remove(0);
     db.engine.fail(&task, "declined", true).await.unwrap();
     assert_eq!(db.engine.status(id).await.unwrap(), ExecutionStatus::Failed);
     tokio::time::sleep(Duration::from_millis(400)).await;
-    match db.engine.reprocess(task.id).await {
+    match db.engine.reprocess(task.id()).await {
         Err(Error::DeadlinePassed { execution }) => assert_eq!(execution, id),
         other => panic!("{other:?}"),
     }
@@ -363,7 +364,7 @@ async fn a_failed_execution_past_its_deadline_is_not_resumed() {
     assert_eq!(db.engine.status(id).await.unwrap(), ExecutionStatus::Failed);
     assert_eq!(
         db.engine
-            .dead_letter(task.id)
+            .dead_letter(task.id())
             .await
             .unwrap()
             .summary

@@ -30,7 +30,8 @@ async fn timing_out_racing_the_last_completions_fires_at_most_once_and_dispatche
                 .engine
                 .start_with(&name, &(0..6).collect::<Vec<_>>(), options)
                 .await
-                .unwrap();
+                .unwrap()
+                .id;
             let mut tasks = db
                 .engine
                 .claim("racer", 6, Duration::from_secs(60))
@@ -140,7 +141,8 @@ async fn a_worker_times_out_an_execution_past_its_deadline_and_its_handlers_see_
             StartOptions::new().deadline(Duration::from_millis(300)),
         )
         .await
-        .unwrap();
+        .unwrap()
+        .id;
     let done = db.engine.wait(id, Duration::from_secs(20)).await.unwrap();
     assert_eq!(done.status, ExecutionStatus::TimedOut);
     // Wait for the running handlers to notice at their next lease renewal.

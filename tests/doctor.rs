@@ -31,7 +31,7 @@ async fn claim(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
         .await
         .unwrap();
     assert_eq!(tasks.len(), n);
-    tasks.sort_by_key(|t| t.item_index);
+    tasks.sort_by_key(|t| t.item_index());
     tasks
 }
 

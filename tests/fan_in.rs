@@ -43,7 +43,7 @@ async fn claim_all(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
         claimed.extend(batch);
     }
     // A claim returns its batch in no particular order.
-    claimed.sort_by_key(|t| (t.stage_index, t.item_index));
+    claimed.sort_by_key(|t| (t.stage_index(), t.item_index()));
     claimed
 }
 
@@ -112,7 +112,7 @@ async fn finish_together(
             for task in tasks.iter().skip(f).step_by(finishers) {
                 outcomes.push(
                     engine
-                        .complete(task, json!({"i": task.item_index}))
+                        .complete(task, json!({"i": task.item_index()}))
                         .await
                         .unwrap(),
                 );
@@ -162,7 +162,7 @@ async fn simultaneous_finish_with(width: usize, rounds: usize, strategy: FanInSt
         );
         // Drain the next stage so the following round claims only its own members.
         let after = claim_all(&db.engine, 1).await;
-        assert_eq!(after[0].handler, "after");
+        assert_eq!(after[0].handler(), "after");
         let input = db.engine.task_input(&after[0]).await.unwrap();
         assert_eq!(input["outputs"].as_array().unwrap().len(), width);
         assert_eq!(input["outputs"][width - 1], json!({"i": width - 1}));
@@ -284,7 +284,7 @@ async fn zombie_after_reclaimed_lease_changes_nothing_with(strategy: FanInStrate
     );
     // Reclaiming counted the attempt; the tasks are claimable again.
     let fresh = claim_all(&db.engine, 2).await;
-    assert!(fresh.iter().all(|t| t.attempt == 2));
+    assert!(fresh.iter().all(|t| t.attempt() == 2));
     assert_eq!(
         db.engine.complete(&fresh[0], json!("new")).await.unwrap(),
         Outcome::Completed { fired: false }
@@ -427,7 +427,7 @@ async fn batched_acknowledgements_fire_exactly_once() {
                     // Finisher f takes batches f, f + 8, f + 16, ... of 8 consecutive members.
                     for batch in tasks.chunks(8).skip(f).step_by(8) {
                         let items: Vec<_> =
-                            batch.iter().map(|t| (t, json!(t.item_index))).collect();
+                            batch.iter().map(|t| (t, json!(t.item_index()))).collect();
                         outcomes.extend(engine.complete_batch(&items).await.unwrap());
                     }
                     outcomes

@@ -35,7 +35,7 @@ async fn one_dead_member(engine: &Engine) -> (ExecutionId, TaskId) {
         .pop()
         .expect("a member");
     engine.fail(&task, "boom", true).await.unwrap();
-    (id, task.id)
+    (id, task.id())
 }
 
 /// Races `reprocess(dead)` against `rival` over `ROUNDS` executions, for each strategy;

@@ -215,11 +215,16 @@ async fn run(case: &Case) -> Result<(), String> {
                 }
                 for task in tasks {
                     let input = engine.task_input(&task).await.unwrap();
-                    let out = output(task.stage_index, &task.handler, task.item_index, &input);
-                    let member = (task.stage_index, task.item_index);
+                    let out = output(
+                        task.stage_index(),
+                        task.handler(),
+                        task.item_index(),
+                        &input,
+                    );
+                    let member = (task.stage_index(), task.item_index());
                     let outcome = if case.dead(member.0, member.1) {
                         engine.fail(&task, "injected: dead", true).await.unwrap()
-                    } else if task.attempt == 1
+                    } else if task.attempt() == 1
                         && roll(case.seed, ("flaky", member)) < case.flaky_pct
                     {
                         if roll(case.seed, ("late", member)) < case.late_pct {

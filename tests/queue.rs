@@ -33,7 +33,7 @@ async fn concurrent_claims_never_hand_out_a_task_twice() {
                 if batch.is_empty() {
                     return mine;
                 }
-                mine.extend(batch.into_iter().map(|t| t.id));
+                mine.extend(batch.into_iter().map(|t| t.id()));
             }
         }));
     }
@@ -62,13 +62,13 @@ async fn claims_by_priority_then_due_time_and_skips_tasks_in_backoff() {
         .claim("t", 1, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(first[0].handler, "high");
+    assert_eq!(first[0].handler(), "high");
     let second = db
         .engine
         .claim("t", 1, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(second[0].handler, "low");
+    assert_eq!(second[0].handler(), "low");
     // A failed attempt waits out its backoff (60 s): not claimable now.
     assert!(matches!(
         db.engine.fail(&second[0], "later", false).await.unwrap(),
@@ -118,7 +118,7 @@ async fn a_task_that_keeps_killing_its_worker_ends_dead_lettered() {
             .await
             .unwrap();
         assert_eq!(claimed.len(), 1, "attempt {attempt} should be claimable");
-        assert_eq!(claimed[0].attempt, attempt);
+        assert_eq!(claimed[0].attempt(), attempt);
         tokio::time::sleep(Duration::from_millis(80)).await;
         assert_eq!(db.engine.reclaim_expired(10).await.unwrap(), 1);
     }
@@ -189,6 +189,7 @@ async fn racing_starts_with_one_idempotency_key_start_one_execution() {
                 )
                 .await
                 .unwrap()
+                .id
         }));
     }
     let mut ids = HashSet::new();
@@ -208,7 +209,8 @@ async fn racing_starts_with_one_idempotency_key_start_one_execution() {
         .engine
         .start_with("once", &1, StartOptions::new().idempotency_key("order-8"))
         .await
-        .unwrap();
+        .unwrap()
+        .id;
     assert!(!ids.contains(&other));
 }
 
@@ -252,7 +254,8 @@ async fn registration_rejects_bad_definitions_and_conflicts_and_pins_versions() 
         .engine
         .start_with("pinned", &0, StartOptions::new().version(1))
         .await
-        .unwrap();
+        .unwrap()
+        .id;
     assert_eq!(db.engine.execution(explicit).await.unwrap().version, 1);
 
     let err = db.engine.start("nope", &0).await.unwrap_err();
@@ -367,7 +370,7 @@ async fn a_permanent_error_skips_the_remaining_attempts() {
         .await
         .unwrap()
         .remove(0);
-    assert_eq!(task.attempt, 1);
+    assert_eq!(task.attempt(), 1);
     assert_eq!(
         db.engine
             .fail(&task, "malformed order", true)

@@ -100,7 +100,7 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
     if let Some(deadline) = args.deadline {
         options = options.deadline(deadline.to_std()?);
     }
-    let id = engine.start_with(WORKFLOW, &args.width, options).await?;
+    let id = engine.start_with(WORKFLOW, &args.width, options).await?.id;
     println!("execution {id}");
     let bar = ProgressBar::new(args.width).with_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} members {msg}")?

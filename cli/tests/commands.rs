@@ -249,14 +249,14 @@ async fn dead_letters_list_show_and_reprocess() {
     assert!(listed.status.success(), "{}", text(&listed));
     let out = text(&listed);
     assert!(
-        out.contains(&task.id.to_string())
+        out.contains(&task.id().to_string())
             && out.contains("card declined")
             && out.contains("failed"),
         "{out}"
     );
     let shown = confluo(
         &url,
-        &["dead-letters", "show", &task.id.to_string(), "--json"],
+        &["dead-letters", "show", &task.id().to_string(), "--json"],
     );
     let value: serde_json::Value = serde_json::from_slice(&shown.stdout).expect("JSON");
     assert_eq!(value["errors"][0]["error"], "card declined");
@@ -276,7 +276,7 @@ async fn dead_letters_list_show_and_reprocess() {
     assert_eq!(value["members"][0][0]["status"], "dead");
     assert_eq!(value["stages"][0]["attempts"], 1);
 
-    let reprocessed = confluo(&url, &["dead-letters", "reprocess", &task.id.to_string()]);
+    let reprocessed = confluo(&url, &["dead-letters", "reprocess", &task.id().to_string()]);
     assert!(reprocessed.status.success(), "{}", text(&reprocessed));
     assert!(
         text(&reprocessed).contains(&format!("execution {id} resumed")),
@@ -287,7 +287,7 @@ async fn dead_letters_list_show_and_reprocess() {
         engine.status(id).await.unwrap(),
         confluo::ExecutionStatus::Running
     );
-    let again = confluo(&url, &["dead-letters", "reprocess", &task.id.to_string()]);
+    let again = confluo(&url, &["dead-letters", "reprocess", &task.id().to_string()]);
     assert_eq!(again.status.code(), Some(1), "{}", text(&again));
     assert!(
         text(&again).contains("is pending, not dead-lettered"),
@@ -315,7 +315,8 @@ async fn dead_letters_list_show_and_reprocess() {
             confluo::StartOptions::new().deadline(Duration::from_millis(1)),
         )
         .await
-        .unwrap();
+        .unwrap()
+        .id;
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(engine.time_out_expired(10).await.unwrap(), vec![late]);
     let timed_out = confluo(&url, &["list", "--status", "timed_out", "--json"]);

@@ -34,6 +34,11 @@ pub(crate) const SCHEMA: &str = "confluo";
 /// Channel notified (at commit) whenever tasks become claimable.
 pub(crate) const TASKS_CHANNEL: &str = "confluo_tasks";
 
+/// A duration as the milliseconds SQL parameters take, saturating.
+pub(crate) fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// How every confluo transaction begins.
 const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 

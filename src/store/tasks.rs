@@ -503,6 +503,23 @@ pub(crate) async fn expired_leases(
     .await?)
 }
 
+/// The row of an attempt still running under `token`, as a claim returns it.
+pub(crate) async fn held(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+) -> Result<Option<ClaimedRow>> {
+    let sql = format!(
+        "SELECT {CLAIMED_COLUMNS} FROM confluo.task t
+          WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'"
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(id)
+        .bind(token)
+        .fetch_optional(conn)
+        .await?)
+}
+
 /// Gives claimed tasks this build cannot run back, uncounted, due again after `delay_ms`
 /// (for a worker that can run them, without this one claiming them again at once).
 pub(crate) async fn set_aside(

@@ -11,9 +11,10 @@ use tokio::time::{sleep, timeout_at, Instant};
 
 use super::{Held, State};
 use crate::batch::HandOff;
+use crate::claimed::ClaimedTask;
 use crate::error::Error;
 use crate::handler::TaskError;
-use crate::queue::{ClaimedTask, Outcome};
+use crate::queue::Outcome;
 
 /// How an attempt ended, before it is acknowledged.
 pub(super) enum Ending {

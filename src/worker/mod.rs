@@ -20,11 +20,11 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::claimed::ClaimedTask;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::handler::{FnHandler, Handler, TaskContext, TaskError};
 use crate::ids::{LeaseToken, TaskId};
-use crate::queue::ClaimedTask;
 use crate::store::tasks::HandlerKeys;
 use crate::store::workflows;
 

@@ -315,8 +315,8 @@ async fn claim(engine: &Engine, execution: ExecutionId, k: usize) -> Vec<Claimed
         .await
         .expect("claim");
     assert_eq!(tasks.len(), k, "the group's members are claimable");
-    assert!(tasks.iter().all(|t| t.execution_id == execution));
-    tasks.sort_by_key(|t| t.item_index);
+    assert!(tasks.iter().all(|t| t.execution_id() == execution));
+    tasks.sort_by_key(|t| t.item_index());
     tasks
 }
 

@@ -245,7 +245,7 @@ pub async fn complete_block(
                     (Mode::Strategy(_), 1) => vec![engine.complete(&slice[0], json!(i)).await?],
                     (Mode::Strategy(_), _) => {
                         let items: Vec<_> =
-                            slice.iter().map(|t| (t, json!(t.item_index))).collect();
+                            slice.iter().map(|t| (t, json!(t.item_index()))).collect();
                         engine.complete_batch(&items).await?
                     }
                 };
@@ -285,11 +285,11 @@ pub async fn complete_block(
 /// per batch (its own implicit transaction, as cheap as a completion can be), and
 /// nothing else.
 async fn floor_complete(pool: &PgPool, tasks: &[ClaimedTask]) -> anyhow::Result<Vec<Outcome>> {
-    let ids: Vec<_> = tasks.iter().map(|t| t.id).collect();
-    let tokens: Vec<_> = tasks.iter().map(|t| t.lease).collect();
+    let ids: Vec<_> = tasks.iter().map(|t| t.id()).collect();
+    let tokens: Vec<_> = tasks.iter().map(|t| t.lease()).collect();
     let outputs: Vec<_> = tasks
         .iter()
-        .map(|t| sqlx::types::Json(json!(t.item_index)))
+        .map(|t| sqlx::types::Json(json!(t.item_index())))
         .collect();
     let rows = sqlx::query(
         "UPDATE confluo.task t

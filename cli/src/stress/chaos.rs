@@ -31,12 +31,12 @@ impl Seen {
 async fn run_task(ctx: &Context, engine: &Engine, task: &ClaimedTask) -> anyhow::Result<Value> {
     let input = engine.task_input(task).await?;
     let t = Task {
-        execution_id: task.execution_id,
-        task_id: task.id,
-        stage_index: task.stage_index,
-        handler: &task.handler,
-        item_index: task.item_index,
-        attempt: task.attempt,
+        execution_id: task.execution_id(),
+        task_id: task.id(),
+        stage_index: task.stage_index(),
+        handler: task.handler(),
+        item_index: task.item_index(),
+        attempt: task.attempt(),
     };
     ctx.perform(t, &input, false)
         .await
@@ -85,7 +85,7 @@ pub async fn replays(
         ctx.record_fault("replayed completion").await;
         match engine.complete(&task, output).await {
             Ok(Outcome::AlreadyRecorded) | Err(_) => {}
-            Ok(other) => seen.violation(format!("replay of task {} was {other:?}", task.id)),
+            Ok(other) => seen.violation(format!("replay of task {} was {other:?}", task.id())),
         }
     }
 }
@@ -115,7 +115,7 @@ pub async fn zombies(
             Ok(Outcome::LeaseLost) | Err(_) => {}
             Ok(other) => seen.violation(format!(
                 "zombie completion of task {} was {other:?}",
-                task.id
+                task.id()
             )),
         }
     }

@@ -298,7 +298,8 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
         ids.push(
             engine
                 .start_with(handlers::WORKFLOW, &json!({"width": args.width}), options)
-                .await?,
+                .await?
+                .id,
         );
     }
     let bar = ProgressBar::new(args.executions as u64).with_style(
