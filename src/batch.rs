@@ -71,14 +71,15 @@ impl Engine {
             self.check_output(task, output).await?;
         }
         let started = std::time::Instant::now();
-        // A batch of counting members expected to fire, or one holding row-lock members
-        // (whose decision waits for the execution's lock), locks its executions first;
-        // the others ask for them only if they fire, without waiting, and start over
-        // locking them first if one is taken (`store::locks`).
+        // A batch holding row-lock members (whose decision waits for the execution's
+        // lock) locks its executions first. The others ask for them only when they fire,
+        // without waiting, and start over locking them first if one is taken
+        // (`store::locks`): taken up front, even by batches only likely to fire, the
+        // execution's lock would be held most of the time under a busy map, and the
+        // deadline sweep, which skips locked executions, could not time it out.
         let mut executions_first = items
             .iter()
-            .any(|(t, _)| t.fan_in == FanInStrategy::RowLock)
-            || (likely_last && items.iter().any(|(t, _)| t.fan_in.counts()));
+            .any(|(t, _)| t.fan_in == FanInStrategy::RowLock);
         let (outcomes, handed) = loop {
             let result = retry_conflicts(|| {
                 self.complete_batch_once(items, likely_last, hand_off, executions_first)

@@ -227,6 +227,22 @@ impl Engine {
     /// Each batch is a transaction of its own: dropped, the batches deleted so far stay
     /// deleted, the one in progress is not.
     pub async fn purge(&self, cutoff: DateTime<Utc>, batch: usize) -> Result<u64> {
+        self.purge_batches(cutoff, batch).await
+    }
+
+    /// How many executions [`purge`](Self::purge) would delete with this cutoff now:
+    /// terminal ones that finished before it (a dry run).
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
+    pub async fn purgeable(&self, cutoff: DateTime<Utc>) -> Result<u64> {
+        Ok(executions::purgeable(self.pool(), cutoff).await?.max(0) as u64)
+    }
+
+    async fn purge_batches(&self, cutoff: DateTime<Utc>, batch: usize) -> Result<u64> {
         let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
         let mut deleted = 0;
         loop {

@@ -6,6 +6,8 @@ use confluo::{DeadLetterFilter, Engine, Error, ExecutionId, TaskId};
 
 #[derive(clap::Args)]
 pub struct Args {
+    #[command(flatten)]
+    pub target: crate::DatabaseArg,
     #[command(subcommand)]
     command: Command,
 }

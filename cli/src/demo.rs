@@ -55,7 +55,7 @@ pub fn workflow(strategy: FanInStrategy) -> Workflow {
         .step("report")
 }
 
-pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode> {
+pub async fn run(admin: PgConnectOptions, args: Args, throwaway: bool) -> anyhow::Result<ExitCode> {
     // Workers of other processes work in the database as it is; otherwise it starts anew.
     let options = if args.workers == 0 {
         confluo_testkit::existing_database(&admin, &args.database).await?
@@ -156,6 +156,22 @@ pub async fn run(admin: PgConnectOptions, args: Args) -> anyhow::Result<ExitCode
             "VIOLATION"
         }
     );
+    if throwaway {
+        println!(
+            "  (the throwaway server goes when this command ends: with DATABASE_URL set, the \
+             run stays, and the demo prints the commands to look at it)"
+        );
+    } else {
+        println!("look at this run again (same --database-url or DATABASE_URL):");
+        println!(
+            "  confluo inspect {id} --members --database {}",
+            args.database
+        );
+        println!(
+            "  confluo dead-letters list --execution {id} --database {}",
+            args.database
+        );
+    }
     if execution.status != ExecutionStatus::Completed || !exactly_once {
         println!("the demo did not complete as expected");
         return Ok(ExitCode::from(1));

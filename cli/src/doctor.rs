@@ -6,6 +6,8 @@ use confluo::{Diagnosis, Engine};
 
 #[derive(clap::Args)]
 pub struct Args {
+    #[command(flatten)]
+    pub target: crate::DatabaseArg,
     /// Re-drive what is found (idempotent; safe while workers run).
     #[arg(long)]
     repair: bool,

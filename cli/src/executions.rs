@@ -9,6 +9,8 @@ use confluo::{Engine, Execution, ExecutionId, ExecutionStatus, ListFilter};
 pub struct InspectArgs {
     /// The execution's id.
     id: uuid::Uuid,
+    #[command(flatten)]
+    pub target: crate::DatabaseArg,
     /// Also list members per stage (those not completed first), with their status,
     /// attempts, duration and last error: 10 per stage, or `--members=N`.
     #[arg(long, num_args = 0..=1, default_missing_value = "10", require_equals = true)]
@@ -20,6 +22,8 @@ pub struct InspectArgs {
 
 #[derive(clap::Args)]
 pub struct ListArgs {
+    #[command(flatten)]
+    pub target: crate::DatabaseArg,
     /// Only executions of this workflow.
     #[arg(long)]
     workflow: Option<String>,
@@ -38,6 +42,8 @@ pub struct ListArgs {
 pub struct CancelArgs {
     /// The execution's id.
     id: uuid::Uuid,
+    #[command(flatten)]
+    pub target: crate::DatabaseArg,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -205,12 +211,17 @@ pub async fn cancel(engine: Engine, args: CancelArgs) -> anyhow::Result<ExitCode
 
 #[derive(clap::Args)]
 pub struct PurgeArgs {
+    #[command(flatten)]
+    pub target: crate::DatabaseArg,
     /// Delete terminal executions that finished longer ago than this: e.g. 30d, 12h, 45m.
     #[arg(long, value_parser = parse_age)]
     older_than: chrono::Duration,
     /// Executions deleted per statement.
     #[arg(long, default_value_t = 1_000)]
     batch: usize,
+    /// Say how many would be deleted, and delete nothing.
+    #[arg(long)]
+    dry_run: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -242,6 +253,21 @@ pub async fn purge(engine: Engine, args: PurgeArgs) -> anyhow::Result<ExitCode> 
                 args.older_than.num_days()
             )
         })?;
+    if args.dry_run {
+        let would = engine.purgeable(cutoff).await?;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"would_delete": would, "cutoff": cutoff, "dry_run": true})
+            );
+        } else {
+            println!(
+                "would delete {would} terminal executions that finished before {cutoff} \
+                 (dry run: nothing deleted)"
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let deleted = engine.purge(cutoff, args.batch).await?;
     if args.json {
         println!(

@@ -47,7 +47,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Applies confluo's migrations (idempotent; safe from several processes).
-    Migrate,
+    Migrate(MigrateArgs),
     /// A timeline of one execution: its stages and their members, progress, dead letters.
     Inspect(executions::InspectArgs),
     /// Executions, newest first, filtered by workflow and status.
@@ -153,6 +153,37 @@ fn quiet_on_a_closed_pipe() {
     }));
 }
 
+/// `--database NAME`, on every command that reads or writes an existing database.
+#[derive(clap::Args)]
+pub struct DatabaseArg {
+    /// A database on the server of --database-url other than the URL's own: e.g. the
+    /// `confluo_demo` that `demo` writes to.
+    #[arg(long, global = true)]
+    pub database: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct MigrateArgs {
+    #[command(flatten)]
+    target: DatabaseArg,
+}
+
+impl Command {
+    /// The `--database` of a command that uses an existing database.
+    fn database(&self) -> Option<&str> {
+        match self {
+            Command::Migrate(a) => a.target.database.as_deref(),
+            Command::Inspect(a) => a.target.database.as_deref(),
+            Command::List(a) => a.target.database.as_deref(),
+            Command::Cancel(a) => a.target.database.as_deref(),
+            Command::DeadLetters(a) => a.target.database.as_deref(),
+            Command::Purge(a) => a.target.database.as_deref(),
+            Command::Doctor(a) => a.target.database.as_deref(),
+            _ => None,
+        }
+    }
+}
+
 /// A signal asked the command to stop.
 #[derive(Debug)]
 struct Interrupted;
@@ -174,7 +205,10 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         let configured = cli.database_url.as_deref().map(parse_url).transpose()?;
         let server = server::Server::pick(configured.as_ref()).await?;
         return match cli.command {
-            Command::Demo(args) => demo::run(server.admin(), args).await,
+            Command::Demo(args) => {
+                let throwaway = !matches!(server, server::Server::Configured(_));
+                demo::run(server.admin(), args, throwaway).await
+            }
             Command::Bench(args) => bench::run(server.admin(), args).await,
             Command::Stress(args) => {
                 let url = server.url(cli.database_url.as_deref().unwrap_or_default());
@@ -183,9 +217,12 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             _ => unreachable!(),
         };
     }
-    let options = database(cli.database_url.as_deref())?;
+    let mut options = database(cli.database_url.as_deref())?;
+    if let Some(name) = cli.command.database() {
+        options = options.database(name);
+    }
     match cli.command {
-        Command::Migrate => {
+        Command::Migrate(_) => {
             let engine = connect(&options, 2).await?;
             engine.migrate().await?;
             println!("migrations applied");

@@ -133,6 +133,12 @@ async fn list_inspect_cancel_and_doctor() {
     .execute(engine.pool())
     .await
     .unwrap();
+    let dry = confluo(&url, &["purge", "--older-than", "1d", "--dry-run"]);
+    assert!(
+        text(&dry).contains("would delete 1 ") && text(&dry).contains("nothing deleted"),
+        "{}",
+        text(&dry)
+    );
     let purged = confluo(
         &url,
         &["purge", "--older-than", "1d", "--batch", "1", "--json"],
@@ -348,6 +354,26 @@ fn demo_runs_on_the_configured_server_or_a_throwaway_one() {
     let out = text(&configured);
     assert!(out.contains("using PostgreSQL at"), "{out}");
     assert!(out.contains("dispatched: exactly once"), "{out}");
+    // It says how to look at the run again, and those commands find it.
+    let inspect = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("confluo inspect "))
+        .expect("the demo prints an inspect command");
+    let args: Vec<&str> = std::iter::once("inspect")
+        .chain(inspect.split_whitespace())
+        .collect();
+    let again = confluo(&server_url(), &args);
+    assert!(again.status.success(), "{}", text(&again));
+    assert!(text(&again).contains("completed"), "{}", text(&again));
+    let dead = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("confluo dead-letters "))
+        .expect("the demo prints a dead-letters command");
+    let args: Vec<&str> = std::iter::once("dead-letters")
+        .chain(dead.split_whitespace())
+        .collect();
+    let listed = confluo(&server_url(), &args);
+    assert!(listed.status.success(), "{}", text(&listed));
 
     // With no server configured, a throwaway one (or a clear message where none can start).
     let throwaway = Command::new(env!("CARGO_BIN_EXE_confluo"))

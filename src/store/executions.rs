@@ -495,6 +495,23 @@ where
 
 /// Deletes up to `batch` terminal executions that finished before `cutoff` (their groups,
 /// stripes and tasks go with them, by cascade); returns how many.
+/// How many executions [`purge`] would delete with this cutoff.
+pub(crate) async fn purgeable<'e, E>(
+    executor: E,
+    cutoff: chrono::DateTime<chrono::Utc>,
+) -> Result<i64>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM confluo.execution
+          WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1",
+    )
+    .bind(cutoff)
+    .fetch_one(executor)
+    .await?)
+}
+
 pub(crate) async fn purge<'e, E>(
     executor: E,
     cutoff: chrono::DateTime<chrono::Utc>,

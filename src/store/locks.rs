@@ -12,7 +12,8 @@
 //! reprocess, a single completion that may be its group's last, a repair. Completions that
 //! cannot be the last (one autocommitted statement: the task, then its stripe or group)
 //! never touch the execution. A batch of completions takes no execution lock up front
-//! unless it expects to fire; when its statement drains a group anyway, it asks for the
+//! (held by every busy batch, it would keep the deadline sweep, which skips locked
+//! executions, from timing one out); when its statement drains a group, it asks for the
 //! execution's lock without waiting (`NOWAIT`), and if someone holds it (a cancel, a
 //! reprocess), the batch rolls back and starts over with the executions locked first. No
 //! path waits for a lock of an earlier kind while holding a later one, so none can
