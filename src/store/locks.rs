@@ -18,6 +18,11 @@
 //! reprocess), the batch rolls back and starts over with the executions locked first. No
 //! path waits for a lock of an earlier kind while holding a later one, so none can
 //! deadlock another.
+//!
+//! One exception, by design: the re-counting strategies (row-lock, and the naive
+//! demonstration) write the task's status and then lock the execution. They hold no
+//! stripe or group then, and the one task they hold is running, which no path that holds
+//! an execution waits for (a stop cancels pending tasks, a reprocess requeues dead ones).
 
 use sqlx::PgConnection;
 
