@@ -9,7 +9,6 @@ use serde_json::Value;
 use sqlx::types::Json;
 
 use crate::claimed::ClaimedTask;
-use crate::definition::StageKind;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{retry_conflicts, Result};
@@ -114,17 +113,9 @@ impl Engine {
         // A step's one member is always its group's last: a batch holding one goes
         // straight to the transaction.
         let counting = !likely_last
-            && items.iter().all(|(t, _)| {
-                matches!(t.fan_in, FanInStrategy::Countdown | FanInStrategy::Striped)
-                    && self
-                        .cached_definition(&t.workflow, t.workflow_version)
-                        .is_some_and(|w| {
-                            !matches!(
-                                w.stages().get(t.stage_index).map(|s| s.kind()),
-                                Some(StageKind::Step) | None
-                            )
-                        })
-            });
+            && items
+                .iter()
+                .all(|(t, _)| t.fan_in.counts() && self.known_not_step(t));
         if counting
             && completions::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await?
         {
@@ -135,7 +126,8 @@ impl Engine {
         }
         let mut tx = crate::store::begin_on(&mut conn).await?;
         if executions_first {
-            locks::executions_of_tasks(&mut tx, &ids).await?;
+            let executions: Vec<ExecutionId> = items.iter().map(|(t, _)| t.execution_id).collect();
+            locks::executions(&mut tx, &executions).await?;
         }
         let done = completions::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
         let last: Vec<(ExecutionId, GroupId, i32)> = fanin::last_arrivals(&mut tx, &done)

@@ -229,6 +229,18 @@ impl Engine {
         Ok(outcome)
     }
 
+    /// Whether this process knows the task's stage is not a step (a step's one member is
+    /// always its group's last arrival; an unknown stage is treated as one).
+    pub(crate) fn known_not_step(&self, task: &ClaimedTask) -> bool {
+        self.cached_definition(&task.workflow, task.workflow_version)
+            .is_some_and(|w| {
+                !matches!(
+                    w.stages().get(task.stage_index).map(|s| s.kind()),
+                    Some(StageKind::Step) | None
+                )
+            })
+    }
+
     /// Refuses an output that cannot feed the next stage: a step before a map must return
     /// an array.
     pub(crate) async fn check_output(&self, task: &ClaimedTask, output: &Value) -> Result<()> {
@@ -268,15 +280,7 @@ impl Engine {
         let mut conn = self.pool().acquire().await?;
         // Most arrivals are not their group's last: one statement, no transaction around
         // it. A step's only member always is, so it goes straight to the transaction.
-        let is_step = self
-            .cached_definition(&task.workflow, task.workflow_version)
-            .is_none_or(|w| {
-                matches!(
-                    w.stages().get(task.stage_index).map(|s| s.kind()),
-                    Some(StageKind::Step) | None
-                )
-            });
-        if !is_step
+        if self.known_not_step(task)
             && task
                 .fan_in
                 .complete_unless_last(&mut conn, task.id, task.lease, output)
@@ -289,7 +293,7 @@ impl Engine {
         // ones hold only the task's row when they lock the execution.
         let mut tx = crate::store::begin_on(&mut conn).await?;
         if task.fan_in.counts() {
-            locks::execution_of_task(&mut tx, task.id).await?;
+            locks::execution(&mut tx, task.execution_id).await?;
         }
         let arrival = task
             .fan_in
@@ -372,7 +376,7 @@ impl Engine {
         if fails_execution || (a.fan_in.counts() && (permanent || a.attempt >= a.max_attempts)) {
             // A dead letter fails the execution, or counts its group down and may fire
             // it: the execution first (`store::locks`).
-            locks::execution_of_task(&mut tx, a.id).await?;
+            locks::execution(&mut tx, a.execution_id).await?;
         }
         let row =
             tasks::fail_counting_down(&mut tx, a.id, a.lease, error, permanent, only_if_expired)

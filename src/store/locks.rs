@@ -27,7 +27,7 @@
 use sqlx::PgConnection;
 
 use crate::error::{Error, Result};
-use crate::ids::{ExecutionId, TaskId};
+use crate::ids::ExecutionId;
 
 /// Locks an execution.
 pub(crate) async fn execution(conn: &mut PgConnection, id: ExecutionId) -> Result<()> {
@@ -38,30 +38,12 @@ pub(crate) async fn execution(conn: &mut PgConnection, id: ExecutionId) -> Resul
     Ok(())
 }
 
-/// Locks the execution of a task (read from the task's row, not from the caller).
-pub(crate) async fn execution_of_task(conn: &mut PgConnection, task: TaskId) -> Result<()> {
-    sqlx::query(
-        "SELECT 1 FROM confluo.execution
-          WHERE id = (SELECT execution_id FROM confluo.task WHERE id = $1)
-            FOR NO KEY UPDATE",
-    )
-    .bind(task)
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// Locks the executions of tasks, in id order.
-pub(crate) async fn executions_of_tasks(conn: &mut PgConnection, tasks: &[TaskId]) -> Result<()> {
-    sqlx::query(
-        "SELECT 1 FROM confluo.execution
-          WHERE id IN (SELECT execution_id FROM confluo.task WHERE id = ANY($1))
-          ORDER BY id
-            FOR NO KEY UPDATE",
-    )
-    .bind(tasks)
-    .execute(conn)
-    .await?;
+/// Locks executions, in id order.
+pub(crate) async fn executions(conn: &mut PgConnection, ids: &[ExecutionId]) -> Result<()> {
+    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE")
+        .bind(ids)
+        .execute(conn)
+        .await?;
     Ok(())
 }
 
