@@ -91,8 +91,12 @@ async fn run_handler(state: &State, held: &Held) -> Ending {
     let mut call = tokio::spawn(handler.call(context));
     let timeout = sleep(task.timeout);
     tokio::pin!(timeout);
-    let mut renew = tokio::time::interval(state.settings.lease / 3);
-    renew.tick().await;
+    // First renewal a third of the lease from now. Not `interval(..)` and its first
+    // tick: that tick is due at once, yet waits for the timer's next millisecond, and a
+    // millisecond per attempt was most of a short handler's slot time (6 600 no-op tasks
+    // per second with 8 handlers, against 18 000 without it).
+    let every = state.settings.lease / 3;
+    let mut renew = tokio::time::interval_at(Instant::now() + every, every);
     let ending = loop {
         tokio::select! {
             joined = &mut call => break match joined {
