@@ -103,6 +103,41 @@ pub enum Error {
         reason: String,
     },
 
+    /// A map's input has more elements than a map may have
+    /// ([`MAX_MAP_WIDTH`](crate::MAX_MAP_WIDTH)). Nothing was started.
+    #[error(
+        "workflow {workflow:?}: the map stage {stage:?} would have {width} members, more than \
+         the {max} a map may have; split the input over several executions, or map over \
+         batches of items"
+    )]
+    MapTooWide {
+        /// The workflow.
+        workflow: String,
+        /// The map stage's name.
+        stage: String,
+        /// The members asked for.
+        width: usize,
+        /// [`MAX_MAP_WIDTH`](crate::MAX_MAP_WIDTH).
+        max: usize,
+    },
+
+    /// The outputs of the block before a stage are too large to be one task's input.
+    /// The handler can read them page by page instead.
+    #[error(
+        "the outputs of the block at stage {stage} take {stored} bytes as stored, more than \
+         the {limit} allowed for one task's input: read them page by page with \
+         `TaskContext::previous_block()` (or `Engine::block_outputs`), or raise the limit \
+         with `WorkerBuilder::inline_block_input`"
+    )]
+    BlockInputTooLarge {
+        /// The block's stage index.
+        stage: usize,
+        /// Bytes its members' outputs take, as PostgreSQL stores them.
+        stored: u64,
+        /// The limit.
+        limit: u64,
+    },
+
     /// A group was created with a fan-in strategy this build does not know (e.g. `naive`,
     /// without the `naive-fan-in` feature).
     #[error(transparent)]

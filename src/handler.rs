@@ -10,6 +10,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::ids::{ExecutionId, TaskId};
+use crate::outputs::BlockOutputs;
 
 /// A boxed, sendable future, as returned by [`Handler::call`].
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -56,22 +57,42 @@ pub struct TaskContext {
     pub(crate) attempt: u32,
     pub(crate) max_attempts: u32,
     pub(crate) cancellation: CancellationToken,
+    /// The block before this stage, when there is one.
+    pub(crate) previous_block: Option<BlockOutputs>,
+    /// Why the input was not loaded (the previous block's outputs are too large).
+    pub(crate) withheld: Option<String>,
 }
 
 impl TaskContext {
     /// The input: the map element, or the stage input (the execution input for the first
     /// stage, else the previous stage's output; after a parallel or map stage, a
     /// [`ParallelResults`](crate::ParallelResults) or [`MapResults`](crate::MapResults)).
+    ///
+    /// After a block whose members' outputs are larger than the worker's
+    /// [`inline_block_input`](crate::WorkerBuilder::inline_block_input), the input is not
+    /// loaded: this is `null`, [`input_as`](Self::input_as) fails saying so, and the
+    /// handler reads the members with [`previous_block`](Self::previous_block).
     pub fn input(&self) -> &Value {
         &self.input
     }
 
     /// The input deserialized as `T`; a mismatch is a permanent error (retrying would
-    /// not change the input).
+    /// not change the input), and so is an input too large to be loaded (see
+    /// [`input`](Self::input)).
     pub fn input_as<T: DeserializeOwned>(&self) -> Result<T, TaskError> {
+        if let Some(reason) = &self.withheld {
+            return Err(TaskError::permanent(reason.clone()));
+        }
         T::deserialize(&self.input).map_err(|e| {
             TaskError::permanent(format!("input does not match the expected type: {e}"))
         })
+    }
+
+    /// The members of the parallel or map block before this stage, with their outputs,
+    /// to read page by page in bounded memory whatever the width; `None` when the previous
+    /// stage is a step or there is none. Works whether or not the input was loaded.
+    pub fn previous_block(&self) -> Option<&BlockOutputs> {
+        self.previous_block.as_ref()
     }
 
     /// The task.

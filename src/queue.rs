@@ -19,7 +19,7 @@ use crate::fanin::{self, FanInStrategy, Member};
 use crate::ids::{ExecutionId, LeaseToken, TaskId};
 use crate::metrics;
 use crate::store::tasks::HandlerKeys;
-use crate::store::{executions, groups, locks, millis, tasks};
+use crate::store::{executions, locks, millis, tasks};
 
 /// What an acknowledgement did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -158,27 +158,35 @@ impl Engine {
     }
 
     /// The input of a claimed task: its map element, or the stage input read by reference
-    /// (the execution input for the first stage, else the previous stage's output).
+    /// (the execution input for the first stage, else the previous stage's output). After
+    /// a block whose members' outputs take more than
+    /// [`DEFAULT_INLINE_BLOCK_INPUT`](crate::DEFAULT_INLINE_BLOCK_INPUT) bytes as stored,
+    /// nothing is aggregated: read them with [`Engine::block_outputs`] instead.
     ///
     /// # Errors
-    /// [`Error::Database`].
+    /// [`Error::BlockInputTooLarge`]; [`Error::Database`].
     ///
     /// # Cancel safety
     /// Reads only: dropping it changes nothing.
     pub async fn task_input(&self, task: &ClaimedTask) -> Result<Value> {
+        self.task_input_within(task, crate::outputs::DEFAULT_INLINE_BLOCK_INPUT)
+            .await
+    }
+
+    /// [`task_input`](Self::task_input) with another limit for a block's outputs.
+    pub(crate) async fn task_input_within(&self, task: &ClaimedTask, limit: u64) -> Result<Value> {
         if let Some(input) = &task.input {
             return Ok(input.clone());
         }
-        let mut conn = self.pool().acquire().await?;
         if task.stage_index == 0 {
+            let mut conn = self.pool().acquire().await?;
             let row = executions::get(&mut *conn, task.execution_id)
                 .await?
                 .ok_or(Error::ExecutionNotFound(task.execution_id))?;
             return Ok(row.input.0);
         }
-        groups::stage_output(&mut *conn, task.execution_id, task.stage_index as i32 - 1)
-            .await?
-            .ok_or(Error::ExecutionNotFound(task.execution_id))
+        self.block_input(task.execution_id, task.stage_index, limit)
+            .await
     }
 
     /// Extends the lease of a running attempt. Returns the execution's status, or `None`
@@ -272,6 +280,20 @@ impl Engine {
                     workflow.stages()[task.stage_index + 1].name()
                 ),
             });
+        }
+        if let (true, true, Some(items)) = (is_step, next_is_map, output.as_array()) {
+            if items.len() > crate::MAX_MAP_WIDTH {
+                return Err(Error::InvalidOutput {
+                    task: task.id,
+                    reason: format!(
+                        "the next stage {:?} is a map of at most {} members, and this step \
+                         returned {} elements",
+                        workflow.stages()[task.stage_index + 1].name(),
+                        crate::MAX_MAP_WIDTH,
+                        items.len()
+                    ),
+                });
+            }
         }
         Ok(())
     }

@@ -296,5 +296,15 @@ fn check_input(definition: &Workflow, input: &Value, item: Option<usize>) -> Res
             ),
         });
     }
+    if let (StageKind::Map, Some(items)) = (first.kind(), input.as_array()) {
+        if items.len() > crate::MAX_MAP_WIDTH {
+            return Err(Error::MapTooWide {
+                workflow: definition.name().to_owned(),
+                stage: first.name().to_owned(),
+                width: items.len(),
+                max: crate::MAX_MAP_WIDTH,
+            });
+        }
+    }
     Ok(())
 }

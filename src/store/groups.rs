@@ -277,10 +277,18 @@ pub(crate) async fn count_down_stripes(
 /// `{"outputs": [..successful outputs in item order..], "failed": [..]}`; for a parallel
 /// block `{"outputs": {branch: output}, "failed": [..]}`. One statement over the groups
 /// that `group_filter` selects (as `g`).
+fn output_sql(group_filter: &str) -> String {
+    format!(
+        "SELECT {} FROM confluo.stage_group g WHERE {group_filter}",
+        output_expression()
+    )
+}
+
+/// The expression of [`output_sql`] for one group `g` (any row with its `id` and `kind`).
 ///
 /// Built as `json` (text), not `jsonb`: the value goes straight to the client, and
 /// aggregating 10 000 outputs into `jsonb` costs about twice as much (it re-encodes each).
-fn output_sql(group_filter: &str) -> String {
+pub(crate) fn output_expression() -> String {
     let failed = |branch: &str| {
         format!(
             "COALESCE(json_agg(json_build_object(
@@ -290,7 +298,7 @@ fn output_sql(group_filter: &str) -> String {
         )
     };
     format!(
-        "SELECT CASE g.kind
+        "CASE g.kind
             WHEN 'step' THEN (
                 SELECT COALESCE(t.output, 'null'::jsonb)::json FROM confluo.task t
                  WHERE t.group_id = g.id LIMIT 1)
@@ -306,8 +314,7 @@ fn output_sql(group_filter: &str) -> String {
                                         FILTER (WHERE t.status = 'completed'), '[]'::json),
                     'failed', {})
                   FROM confluo.task t WHERE t.group_id = g.id)
-            END
-           FROM confluo.stage_group g WHERE {group_filter}",
+            END",
         failed("t.handler"),
         failed("NULL")
     )
@@ -323,24 +330,6 @@ where
         .fetch_optional(executor)
         .await?;
     Ok(value.unwrap_or(Value::Null))
-}
-
-/// The output of an execution's stage, if the stage was entered.
-pub(crate) async fn stage_output<'e, E>(
-    executor: E,
-    execution_id: ExecutionId,
-    stage_index: i32,
-) -> Result<Option<Value>>
-where
-    E: sqlx::PgExecutor<'e>,
-{
-    Ok(
-        sqlx::query_scalar(&output_sql("g.execution_id = $1 AND g.stage_index = $2"))
-            .bind(execution_id)
-            .bind(stage_index)
-            .fetch_optional(executor)
-            .await?,
-    )
 }
 
 /// Which way [`counters_sql`] moves the counters.

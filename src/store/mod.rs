@@ -25,6 +25,7 @@ pub(crate) mod dead_letters;
 pub(crate) mod executions;
 pub(crate) mod groups;
 pub(crate) mod locks;
+pub(crate) mod outputs;
 pub(crate) mod tasks;
 pub(crate) mod workflows;
 

@@ -9,8 +9,12 @@ use tokio::time::{sleep, Instant};
 
 use super::acks::{self, Ack, Ending};
 use super::{Held, State};
+use serde_json::Value;
+
+use crate::error::Error;
 use crate::execution::ExecutionStatus;
 use crate::handler::{TaskContext, TaskError};
+use crate::outputs::BlockOutputs;
 
 /// Runs the attempt of a held task in a handler slot, then hands its ending to the
 /// acknowledger, freeing the slot; the room in the worker is freed once the ending is
@@ -53,11 +57,28 @@ pub(super) async fn run(state: Arc<State>, held: Held, slot: OwnedSemaphorePermi
 /// Runs the handler to its ending.
 async fn run_handler(state: &State, held: &Held) -> Ending {
     let task = &held.task;
+    // Stage 0 and steps after steps come with their input; after a block it is read now,
+    // unless it is too large, and the members can be read page by page either way.
+    let previous_block = (task.input.is_none() && task.stage_index > 0).then(|| {
+        BlockOutputs::new(
+            state.engine.clone(),
+            task.execution_id,
+            task.stage_index - 1,
+        )
+    });
+    let mut withheld = None;
     let input = match &task.input {
         Some(input) => input.clone(),
-        // A block's outputs, aggregated now rather than copied into every claim.
-        None => match state.engine.task_input(task).await {
+        None => match state
+            .engine
+            .task_input_within(task, state.settings.inline_block_input)
+            .await
+        {
             Ok(input) => input,
+            Err(error @ Error::BlockInputTooLarge { .. }) => {
+                withheld = Some(error.to_string());
+                Value::Null
+            }
             Err(error) => {
                 return Ending::Returned(Err(TaskError::retryable(format!(
                     "loading the input failed: {error}"
@@ -85,6 +106,8 @@ async fn run_handler(state: &State, held: &Held) -> Ending {
         attempt: task.attempt,
         max_attempts: task.max_attempts,
         cancellation: cancellation.clone(),
+        previous_block,
+        withheld,
     };
     // Spawned, so that a panic is caught as a failed attempt instead of killing the loop.
     let started = Instant::now();

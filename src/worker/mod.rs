@@ -72,6 +72,7 @@ struct Settings {
     lease: Duration,
     grace: Duration,
     partial: bool,
+    inline_block_input: u64,
 }
 
 /// Default [`WorkerBuilder::local_queue`]: claimed tasks waiting ahead of the handlers.
@@ -113,6 +114,7 @@ impl WorkerBuilder {
                 lease: Duration::from_secs(30),
                 grace: Duration::from_secs(10),
                 partial: false,
+                inline_block_input: crate::outputs::DEFAULT_INLINE_BLOCK_INPUT,
             },
         }
     }
@@ -226,6 +228,18 @@ impl WorkerBuilder {
     /// releases their tasks (default 10 s).
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.settings.grace = grace;
+        self
+    }
+
+    /// The most a block's outputs may take, in bytes as PostgreSQL stores them (after its
+    /// compression), to be loaded as the input of the stage after the block (default
+    /// [`DEFAULT_INLINE_BLOCK_INPUT`](crate::DEFAULT_INLINE_BLOCK_INPUT), 16 MiB). The
+    /// worker holds the aggregate as JSON text and as a parsed value, a few times that.
+    /// Past it, the handler's [`TaskContext::input_as`] fails with a permanent error that
+    /// says so, and the handler reads the members page by page with
+    /// [`TaskContext::previous_block`]: a map of any width, in bounded memory.
+    pub fn inline_block_input(mut self, bytes: u64) -> Self {
+        self.settings.inline_block_input = bytes;
         self
     }
 
