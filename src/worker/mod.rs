@@ -76,9 +76,14 @@ struct Settings {
 }
 
 /// Default [`WorkerBuilder::local_queue`]: claimed tasks waiting ahead of the handlers.
-const DEFAULT_LOCAL_QUEUE: usize = 256;
+/// Chosen by measurement (20 000 no-op tasks, 8 handlers, pool of 12, 3 alternating
+/// rounds on 2 cores): 256 with claims of 256 drained a map at 13 100 tasks/s, 1 024 with
+/// claims of 512 at 28 000, 2 048 at 22 500. A worker holds every task until its ending
+/// is acknowledged, so the queue must cover a claim's and an acknowledgement's round
+/// trips at full speed.
+const DEFAULT_LOCAL_QUEUE: usize = 1024;
 /// Default [`WorkerBuilder::batch_size`]: tasks per claim statement at most.
-const DEFAULT_BATCH_SIZE: usize = 256;
+const DEFAULT_BATCH_SIZE: usize = 512;
 /// Default [`WorkerBuilder::ack_window`].
 const DEFAULT_ACK_WINDOW: Duration = Duration::from_millis(2);
 /// Default [`WorkerBuilder::ack_batch`].
@@ -151,7 +156,7 @@ impl WorkerBuilder {
     }
 
     /// How many claimed tasks wait in this worker's local queue, ahead of its handlers
-    /// (default 256). The worker claims in batches to keep it filled, so a handler that
+    /// (default 1 024). The worker claims in batches to keep it filled, so a handler that
     /// returns finds its next task in memory instead of a round trip away. Waiting tasks
     /// are leased to this worker (their leases are renewed in one statement every third
     /// of the lease, at most a second apart) and given back, their attempt uncounted, at
@@ -161,8 +166,9 @@ impl WorkerBuilder {
     ///
     /// **Fairness**: one worker holds at most `concurrency + local_queue` tasks at once
     /// (running, waiting, or awaiting their acknowledgement); other workers claim the
-    /// rest. Lower it when tasks are slow and several workers share a small backlog
-    /// (with `0`, a worker claims only for its free handler slots).
+    /// rest: 1 034 by default with 10 handlers. Lower it when tasks are slow and several
+    /// workers share a small backlog (with `0`, a worker claims only for its free handler
+    /// slots): a task that waits in one worker's queue is not run by an idle other.
     ///
     /// **Crashes**: a worker that dies (SIGKILL, lost host) leaves every task it held
     /// leased until the lease expires; they are then reclaimed. Those whose handler had
@@ -176,7 +182,7 @@ impl WorkerBuilder {
         self
     }
 
-    /// How many tasks one claim statement takes at most (default 256). A refill claims
+    /// How many tasks one claim statement takes at most (default 512). A refill claims
     /// what the local queue has room for, up to this.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.settings.batch_size = n.max(1);
