@@ -85,6 +85,7 @@ pub async fn run(admin: PgConnectOptions, args: Args, throwaway: bool) -> anyhow
     if let Some(addr) = args.metrics {
         crate::worker::serve_metrics(addr)?;
     }
+    check_connections(&engine, args.workers).await?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
         workers.push(start_worker(&options, &format!("demo-worker-{i}"), args.fail_every).await?);
@@ -179,6 +180,35 @@ pub async fn run(admin: PgConnectOptions, args: Args, throwaway: bool) -> anyhow
     Ok(ExitCode::SUCCESS)
 }
 
+/// Connections each demo worker opens: its pool and its listener.
+const CONNECTIONS_PER_WORKER: i64 = WORKER_POOL as i64 + 1;
+/// The pool of each demo worker.
+const WORKER_POOL: u32 = 4;
+
+/// Refuses, before starting any, more workers than the server has connections for
+/// (`max_connections`, less its reserved slots and what is open now), saying what fits.
+async fn check_connections(engine: &Engine, workers: usize) -> anyhow::Result<()> {
+    let (max, reserved, open): (i64, i64, i64) = sqlx::query_as(
+        "SELECT current_setting('max_connections')::int8,
+                current_setting('superuser_reserved_connections')::int8,
+                (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
+    )
+    .fetch_one(engine.pool())
+    .await?;
+    let free = max - reserved - open;
+    let needed = workers as i64 * CONNECTIONS_PER_WORKER;
+    if needed > free {
+        anyhow::bail!(
+            "--workers {workers} needs {needed} connections ({CONNECTIONS_PER_WORKER} per worker: \
+             a pool of {WORKER_POOL} and a listener), but the server has {free} left \
+             (max_connections = {max}, {reserved} reserved, {open} open): use --workers {} \
+             or fewer, or raise max_connections",
+            (free / CONNECTIONS_PER_WORKER).max(0)
+        );
+    }
+    Ok(())
+}
+
 /// A worker with a pool of its own serving the demo workflow: every `fail_every`-th item
 /// fails for good (0: none), every 7th fails once.
 pub async fn start_worker(
@@ -187,7 +217,7 @@ pub async fn start_worker(
     fail_every: u64,
 ) -> anyhow::Result<confluo::Worker> {
     let pool = PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(WORKER_POOL)
         .connect_with(confluo::read_committed(options.clone()))
         .await?;
     Ok(Engine::new(pool)

@@ -428,6 +428,27 @@ fn demo_runs_on_the_configured_server_or_a_throwaway_one() {
         "{out}"
     );
 
+    // More workers than the server has connections for: refused before any starts.
+    let crowded = confluo(
+        &server_url(),
+        &[
+            "demo",
+            "--width",
+            "10",
+            "--workers",
+            "10000",
+            "--database",
+            "confluo_cli_demo_test",
+        ],
+    );
+    assert_eq!(crowded.status.code(), Some(2), "{}", text(&crowded));
+    let out = text(&crowded);
+    assert!(
+        out.contains("--workers 10000 needs 50000 connections")
+            && out.contains("raise max_connections"),
+        "{out}"
+    );
+
     let unreachable = confluo(
         "postgres://postgres@127.0.0.1:1/postgres",
         &[

@@ -22,6 +22,9 @@ pub struct TestDb {
     pub engine: Engine,
     pub pool: PgPool,
     pub name: String,
+    /// This test's share of the server's connections, given back after the database is
+    /// dropped (fields drop after `Drop::drop`).
+    _share: tokio::sync::OwnedSemaphorePermit,
     options: PgConnectOptions,
     admin: PgConnectOptions,
 }
@@ -33,6 +36,7 @@ impl TestDb {
     /// says a service on such a database must build it (`confluo::read_committed`).
     pub async fn new(max_connections: u32) -> TestDb {
         let admin = admin_options();
+        let share = connection_share(&admin, max_connections).await;
         let template = ensure_template(&admin).await;
         let name = format!("confluo_t_{}", uuid::Uuid::new_v4().simple());
         let mut conn = admin
@@ -66,6 +70,7 @@ impl TestDb {
             engine: Engine::new(pool.clone()),
             pool,
             name,
+            _share: share,
             options,
             admin,
         }
@@ -130,6 +135,63 @@ impl Drop for TestDb {
         })
         .join();
     }
+}
+
+/// Connections a test may open besides its pool: other pools (`new_pool`, "separate
+/// processes"), single connections, each worker's listener, the drop of its database.
+const CONNECTIONS_BESIDES_THE_POOL: u32 = 20;
+
+/// Waits for this test's share of the connections the test process may have open at once,
+/// so that the suite fits a stock `max_connections = 100` whatever `--test-threads` says:
+/// tests that would go past it wait for others to end. The budget is what the server
+/// allows (`max_connections` less its reserved slots and the connections already open
+/// when the first test starts, less a margin), or `CONFLUO_TEST_CONNECTIONS`. Test
+/// binaries run one after another, so one process's budget is the suite's.
+async fn connection_share(
+    admin: &PgConnectOptions,
+    pool_size: u32,
+) -> tokio::sync::OwnedSemaphorePermit {
+    static BUDGET: OnceLock<(std::sync::Arc<tokio::sync::Semaphore>, u32)> = OnceLock::new();
+    let (budget, total) = match BUDGET.get() {
+        Some(b) => b,
+        None => {
+            let total = match std::env::var("CONFLUO_TEST_CONNECTIONS") {
+                Ok(n) => n.parse().expect("CONFLUO_TEST_CONNECTIONS: a number"),
+                Err(_) => server_budget(admin).await,
+            };
+            BUDGET.get_or_init(|| {
+                (
+                    std::sync::Arc::new(tokio::sync::Semaphore::new(total as usize)),
+                    total,
+                )
+            })
+        }
+    };
+    let share = (pool_size + CONNECTIONS_BESIDES_THE_POOL).min(*total);
+    budget
+        .clone()
+        .acquire_many_owned(share)
+        .await
+        .expect("the budget never closes")
+}
+
+/// What the server lets this process open: `max_connections`, less the reserved slots,
+/// less what is open now, less a margin of 5 (at least 10).
+async fn server_budget(admin: &PgConnectOptions) -> u32 {
+    let mut conn = admin
+        .connect()
+        .await
+        .expect("cannot connect to the PostgreSQL server named by DATABASE_URL; is it running?");
+    let (max, reserved, open): (i64, i64, i64) = sqlx::query_as(
+        "SELECT current_setting('max_connections')::int8,
+                current_setting('superuser_reserved_connections')::int8,
+                (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("read max_connections");
+    conn.close().await.ok();
+    (max - reserved - open - 5).max(10) as u32
 }
 
 fn admin_options() -> PgConnectOptions {
