@@ -67,7 +67,7 @@ impl Gate {
 
     /// `upstream` pointed at the gate (without TLS, so that the gate can read the protocol).
     pub fn options(&self, upstream: &PgConnectOptions) -> PgConnectOptions {
-        if upstream.get_host().starts_with('/') {
+        if upstream.get_socket().is_some() || upstream.get_host().starts_with('/') {
             // A throwaway server's socket (trusted, no password): options set on a socket
             // cannot be pointed at TCP, so build them again.
             let mut options = PgConnectOptions::new()
@@ -190,7 +190,10 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for 
 impl Upstream {
     fn of(options: &PgConnectOptions) -> Upstream {
         let (host, port) = (options.get_host(), options.get_port());
-        if host.starts_with('/') {
+        // A socket directory given as the URL's (percent-encoded) host is `get_socket`.
+        if let Some(dir) = options.get_socket() {
+            Upstream::Socket(dir.join(format!(".s.PGSQL.{port}")))
+        } else if host.starts_with('/') {
             Upstream::Socket(format!("{host}/.s.PGSQL.{port}").into())
         } else {
             Upstream::Tcp(format!("{host}:{port}"))
