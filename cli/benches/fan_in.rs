@@ -20,7 +20,12 @@ fn main() -> ExitCode {
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
+    // From the workspace root, as `cargo fanin-bench` runs: its results go to the
+    // workspace's `target/fanin-bench/`, not under `cli/` (cargo runs a benchmark in its
+    // package's directory).
+    let workspace = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let status = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .current_dir(workspace)
         .arg("bench")
         .args(&args)
         .status();
