@@ -15,7 +15,7 @@ use serde_json::Value;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::ids::ExecutionId;
-use crate::store::{self, outputs};
+use crate::store::outputs;
 
 /// The most members a map stage may have: a longer array as a map's input is refused
 /// ([`Error::MapTooWide`] at start, a failed attempt for the step that returned it).
@@ -155,9 +155,9 @@ impl Engine {
         stage_index: usize,
     ) -> Result<BlockOutputs> {
         let mut conn = self.pool().acquire().await?;
-        outputs::stage_shape(&mut conn, execution_id, stage_index as i32)
-            .await?
-            .ok_or(Error::ExecutionNotFound(execution_id))?;
+        if !outputs::stage_entered(&mut conn, execution_id, stage_index as i32).await? {
+            return Err(Error::ExecutionNotFound(execution_id));
+        }
         Ok(BlockOutputs::new(self.clone(), execution_id, stage_index))
     }
 
@@ -172,7 +172,7 @@ impl Engine {
         let mut conn = self.pool().acquire().await?;
         let block = stage_index as i32 - 1;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        match store::outputs::stage_output_within(&mut conn, execution_id, block, limit).await? {
+        match outputs::stage_output_within(&mut conn, execution_id, block, limit).await? {
             outputs::Bounded::Output(value) => Ok(value),
             outputs::Bounded::TooLarge { stored } => Err(Error::BlockInputTooLarge {
                 stage: block as usize,

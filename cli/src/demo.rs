@@ -188,21 +188,18 @@ const WORKER_POOL: u32 = 4;
 /// Refuses, before starting any, more workers than the server has connections for
 /// (`max_connections`, less its reserved slots and what is open now), saying what fits.
 async fn check_connections(engine: &Engine, workers: usize) -> anyhow::Result<()> {
-    let (max, reserved, open): (i64, i64, i64) = sqlx::query_as(
-        "SELECT current_setting('max_connections')::int8,
-                current_setting('superuser_reserved_connections')::int8,
-                (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
-    )
-    .fetch_one(engine.pool())
-    .await?;
-    let free = max - reserved - open;
+    let room = confluo_testkit::ConnectionRoom::of(engine.pool()).await?;
+    let free = room.free();
     let needed = workers as i64 * CONNECTIONS_PER_WORKER;
     if needed > free {
         anyhow::bail!(
             "--workers {workers} needs {needed} connections ({CONNECTIONS_PER_WORKER} per worker: \
              a pool of {WORKER_POOL} and a listener), but the server has {free} left \
-             (max_connections = {max}, {reserved} reserved, {open} open): use --workers {} \
+             (max_connections = {}, {} reserved, {} open): use --workers {} \
              or fewer, or raise max_connections",
+            room.max,
+            room.reserved,
+            room.open,
             (free / CONNECTIONS_PER_WORKER).max(0)
         );
     }

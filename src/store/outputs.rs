@@ -95,17 +95,18 @@ pub(crate) async fn page(
     .await?)
 }
 
-/// The kind and width of an execution's stage, if it was entered.
-pub(crate) async fn stage_shape(
+/// Whether an execution entered its stage `stage_index`.
+pub(crate) async fn stage_entered(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     stage_index: i32,
-) -> Result<Option<(String, i32)>> {
-    Ok(sqlx::query_as(
-        "SELECT kind, width FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = $2",
+) -> Result<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM confluo.stage_group
+                         WHERE execution_id = $1 AND stage_index = $2)",
     )
     .bind(execution_id)
     .bind(stage_index)
-    .fetch_optional(conn)
+    .fetch_one(conn)
     .await?)
 }

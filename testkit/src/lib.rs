@@ -6,6 +6,8 @@
 //! so that neither a library user nor a command carries a copy of it.
 #![forbid(unsafe_code)]
 
+pub mod connections;
 pub mod server;
 
+pub use connections::ConnectionRoom;
 pub use server::{existing_database, fresh_database, Server};

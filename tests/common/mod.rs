@@ -182,16 +182,11 @@ async fn server_budget(admin: &PgConnectOptions) -> u32 {
         .connect()
         .await
         .expect("cannot connect to the PostgreSQL server named by DATABASE_URL; is it running?");
-    let (max, reserved, open): (i64, i64, i64) = sqlx::query_as(
-        "SELECT current_setting('max_connections')::int8,
-                current_setting('superuser_reserved_connections')::int8,
-                (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
-    )
-    .fetch_one(&mut conn)
-    .await
-    .expect("read max_connections");
+    let room = confluo_testkit::ConnectionRoom::of(&mut conn)
+        .await
+        .expect("read max_connections");
     conn.close().await.ok();
-    (max - reserved - open - 5).max(10) as u32
+    (room.free() - 5).max(10) as u32
 }
 
 fn admin_options() -> PgConnectOptions {
