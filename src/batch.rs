@@ -12,11 +12,11 @@ use crate::claimed::ClaimedTask;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{retry_conflicts, Result};
-use crate::fanin::{self, FanInStrategy};
+use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 use crate::queue::Outcome;
 use crate::store::tasks::{self, HandlerKeys};
-use crate::store::{completions, locks};
+use crate::store::{fan_in, locks};
 
 /// A worker's standing claim on the stages a batch enters when it fires their groups:
 /// as many of their members that its handlers run as it has room for, for `lease`.
@@ -90,7 +90,7 @@ impl Engine {
             }
         };
         for outcome in &outcomes {
-            crate::metrics::acknowledged(outcome, started);
+            outcome.record(started);
         }
         Ok((outcomes, handed))
     }
@@ -116,8 +116,7 @@ impl Engine {
             && items
                 .iter()
                 .all(|(t, _)| t.fan_in.counts() && self.known_not_step(t));
-        if counting
-            && completions::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await?
+        if counting && fan_in::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await?
         {
             return Ok((
                 vec![Outcome::Completed { fired: false }; items.len()],
@@ -129,8 +128,8 @@ impl Engine {
             let executions: Vec<ExecutionId> = items.iter().map(|(t, _)| t.execution_id).collect();
             locks::executions(&mut tx, &executions).await?;
         }
-        let done = completions::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
-        let last: Vec<(ExecutionId, GroupId, i32)> = fanin::last_arrivals(&mut tx, &done)
+        let done = fan_in::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
+        let last: Vec<(ExecutionId, GroupId, i32)> = fan_in::last_arrivals(&mut tx, &done)
             .await?
             .into_iter()
             .map(|group| {

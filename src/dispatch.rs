@@ -10,7 +10,7 @@ use crate::engine::Engine;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
-use crate::store::{executions, groups, groups::MemberSource};
+use crate::store::{executions, fan_in, groups, groups::MemberSource};
 
 /// Fires a group whose countdown reached zero: dispatches the next stage, or completes
 /// the execution after the last one. Returns whether it dispatched (false when the
@@ -48,7 +48,7 @@ pub(crate) async fn fire_many(
     let executions: Vec<ExecutionId> = arrivals.iter().map(|a| a.0).collect();
     let groups: Vec<GroupId> = arrivals.iter().map(|a| a.1).collect();
     let stage_of: HashMap<GroupId, i32> = arrivals.iter().map(|a| (a.1, a.2)).collect();
-    let rows = executions::lock_and_mark_fired_many(conn, &executions, &groups, nowait).await?;
+    let rows = fan_in::lock_and_mark_fired_many(conn, &executions, &groups, nowait).await?;
     let mut fired = Fired::default();
     let (mut completed, mut stages, mut outputs) = (Vec::new(), Vec::new(), Vec::new());
     for row in rows.into_iter().filter(|r| r.fired) {
@@ -105,8 +105,7 @@ async fn transition(
     stage_index: i32,
     redrive: bool,
 ) -> Result<bool> {
-    let Some(execution) = executions::lock_and_mark_fired(conn, execution_id, group_id).await?
-    else {
+    let Some(execution) = fan_in::lock_and_mark_fired(conn, execution_id, group_id).await? else {
         return Ok(false);
     };
     if !(execution.fired || redrive) {
@@ -173,7 +172,7 @@ pub(crate) async fn enter(
         if width > 0 {
             return Ok(Some(group_id));
         }
-        groups::mark_fired(conn, group_id).await?;
+        fan_in::mark_fired(conn, group_id).await?;
         previous = Some((group_id, stage.kind().as_str()));
         index += 1;
     }

@@ -13,7 +13,6 @@ use crate::execution::{AttemptError, DeadLetter, Execution, ExecutionStatus, Sta
 use crate::fanin::FanInStrategy;
 use crate::ids::ExecutionId;
 use crate::store::{self, executions, groups, workflows};
-use crate::worker::WorkerBuilder;
 
 /// A handle on confluo's tables in one PostgreSQL database. Cheap to clone; clones share
 /// the pool and the definition cache. Connect with [`Engine::connect`] (or
@@ -86,7 +85,7 @@ impl Engine {
     /// (claims, batched acknowledgements) run at the session's level, and
     /// [`WorkerBuilder::start`](crate::WorkerBuilder::start) refuses a pool whose level is
     /// another ([`Error::IsolationNotReadCommitted`]). If the server, database or role sets
-    /// `default_transaction_isolation`, build the pool from [`read_committed`]`(options)`,
+    /// `default_transaction_isolation`, build the pool from [`read_committed`](crate::read_committed)`(options)`,
     /// or use [`Engine::connect_with`].
     pub fn new(pool: PgPool) -> Self {
         Self::builder(pool).build()
@@ -280,11 +279,6 @@ impl Engine {
             .unreclaimable
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// A builder for a worker that runs this engine's tasks.
-    pub fn worker(&self) -> WorkerBuilder {
-        WorkerBuilder::new(self.clone())
     }
 
     /// The definition of `name` at `version`, from the cache or the database.

@@ -21,8 +21,6 @@ use std::time::Instant;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, histogram, Unit};
 
-use crate::queue::Outcome;
-
 /// Acknowledged attempts, by `outcome`.
 pub const TASKS: &str = "confluo_tasks_total";
 /// Groups fired.
@@ -60,16 +58,9 @@ pub fn describe() {
     describe_gauge!(QUEUE_DEPTH, "Tasks due, scheduled (in backoff) and running");
 }
 
-/// Records an acknowledgement's outcome; `started` is when its call began.
-pub(crate) fn acknowledged(outcome: &Outcome, started: Instant) {
-    let (label, fired) = match outcome {
-        Outcome::Completed { fired } => ("completed", *fired),
-        Outcome::RetryScheduled { .. } => ("retry_scheduled", false),
-        Outcome::DeadLettered { fired } => ("dead_lettered", *fired),
-        Outcome::Cancelled => ("cancelled", false),
-        Outcome::AlreadyRecorded => ("already_recorded", false),
-        Outcome::LeaseLost => ("lease_lost", false),
-    };
+/// Records an acknowledgement's outcome (its `outcome` label, and whether it fired a
+/// group); `started` is when its call began.
+pub(crate) fn acknowledged(label: &'static str, fired: bool, started: Instant) {
     counter!(TASKS, "outcome" => label).increment(1);
     if fired {
         counter!(GROUPS_FIRED).increment(1);

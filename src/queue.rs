@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
+use sqlx::types::Json;
 
 use crate::claimed::{beyond_stages, ClaimedTask};
 use crate::definition::StageKind;
@@ -15,11 +16,11 @@ use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{retry_conflicts, Error, Result};
 use crate::execution::ExecutionStatus;
-use crate::fanin::{self, FanInStrategy, Member};
+use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, LeaseToken, TaskId};
 use crate::metrics;
 use crate::store::tasks::HandlerKeys;
-use crate::store::{executions, locks, millis, tasks};
+use crate::store::{executions, fan_in, locks, millis, tasks};
 
 /// What an acknowledgement did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,6 +51,22 @@ pub enum Outcome {
     /// The attempt no longer holds the task (its lease expired and was reclaimed, or
     /// another attempt now runs): nothing changed.
     LeaseLost,
+}
+
+impl Outcome {
+    /// Counts this outcome in the metrics (`confluo_tasks_total` by `outcome`, and the
+    /// fan-in latency of a firing); `started` is when its call began.
+    pub(crate) fn record(&self, started: Instant) {
+        let (label, fired) = match self {
+            Outcome::Completed { fired } => ("completed", *fired),
+            Outcome::RetryScheduled { .. } => ("retry_scheduled", false),
+            Outcome::DeadLettered { fired } => ("dead_lettered", *fired),
+            Outcome::Cancelled => ("cancelled", false),
+            Outcome::AlreadyRecorded => ("already_recorded", false),
+            Outcome::LeaseLost => ("lease_lost", false),
+        };
+        metrics::acknowledged(label, fired, started);
+    }
 }
 
 impl Engine {
@@ -233,7 +250,7 @@ impl Engine {
         self.check_output(task, &output).await?;
         let started = Instant::now();
         let outcome = retry_conflicts(|| self.complete_once(task, &output)).await?;
-        metrics::acknowledged(&outcome, started);
+        outcome.record(started);
         Ok(outcome)
     }
 
@@ -299,14 +316,13 @@ impl Engine {
     }
 
     async fn complete_once(&self, task: &ClaimedTask, output: &Value) -> Result<Outcome> {
+        let (ids, tokens, outputs) = ([task.id], [task.lease], [Json(output)]);
         let mut conn = self.pool().acquire().await?;
         // Most arrivals are not their group's last: one statement, no transaction around
         // it. A step's only member always is, so it goes straight to the transaction.
-        if self.known_not_step(task)
-            && task
-                .fan_in
-                .complete_unless_last(&mut conn, task.id, task.lease, output)
-                .await?
+        if task.fan_in.counts()
+            && self.known_not_step(task)
+            && fan_in::complete_many_unless_last(&mut conn, &ids, &tokens, &outputs).await?
         {
             return Ok(Outcome::Completed { fired: false });
         }
@@ -317,22 +333,20 @@ impl Engine {
         if task.fan_in.counts() {
             locks::execution(&mut tx, task.execution_id).await?;
         }
-        let arrival = task
-            .fan_in
-            .complete(&mut tx, task.id, task.lease, output)
-            .await?;
-        let Some(arrival) = arrival else {
+        let done = fan_in::complete_many(&mut tx, &ids, &tokens, &outputs).await?;
+        let Some(row) = done.first() else {
             drop(tx);
             drop(conn); // a pool of one connection needs it back to explain
             return self.explain_no_match(task.id, task.lease).await;
         };
-        let fired = arrival.last
+        let last = !fan_in::last_arrivals(&mut tx, &done).await?.is_empty();
+        let fired = last
             && dispatch::fire(
                 self,
                 &mut tx,
-                arrival.execution_id,
-                arrival.group_id,
-                arrival.stage_index,
+                row.execution_id,
+                row.group_id,
+                row.stage_index,
             )
             .await?;
         tx.commit().await?;
@@ -375,7 +389,7 @@ impl Engine {
         let started = Instant::now();
         let outcome =
             retry_conflicts(|| self.fail_once(attempt, error, permanent, only_if_expired)).await?;
-        metrics::acknowledged(&outcome, started);
+        outcome.record(started);
         Ok(outcome)
     }
 
@@ -400,31 +414,16 @@ impl Engine {
             // it: the execution first (`store::locks`).
             locks::execution(&mut tx, a.execution_id).await?;
         }
-        let row =
-            tasks::fail_counting_down(&mut tx, a.id, a.lease, error, permanent, only_if_expired)
-                .await?;
+        let row = fan_in::fail(&mut tx, a.id, a.lease, error, permanent, only_if_expired).await?;
         let Some(row) = row else {
             drop(tx);
             return self.explain_no_match(a.id, a.lease).await;
         };
-        let member = Member {
-            group_id: row.group_id,
-            item_index: row.item_index,
-        };
-        // Countdown groups were counted by the failure's own statement.
-        let counted = row.remaining.is_some();
+        // The failure's own statement counted a terminal member down.
         let outcome = match row.status.as_str() {
             "pending" => Outcome::RetryScheduled { at: row.run_at },
-            "cancelled" => {
-                if !counted {
-                    fanin::count_without_deciding(a.fan_in, &mut tx, member).await?;
-                }
-                Outcome::Cancelled
-            }
+            "cancelled" => Outcome::Cancelled,
             _ if fails_execution => {
-                if !counted {
-                    fanin::count_without_deciding(a.fan_in, &mut tx, member).await?;
-                }
                 let message = format!(
                     "stage {:?} failed: task {} was dead-lettered after {} attempt(s): {}",
                     stage.name(),
@@ -436,10 +435,14 @@ impl Engine {
                 Outcome::DeadLettered { fired: false }
             }
             _ => {
-                let last = a
-                    .fan_in
-                    .decide(&mut tx, a.execution_id, member, row.remaining)
-                    .await?;
+                let last = fan_in::decide(
+                    a.fan_in,
+                    &mut tx,
+                    a.execution_id,
+                    row.group_id,
+                    row.remaining,
+                )
+                .await?;
                 let fired = last
                     && dispatch::fire(self, &mut tx, a.execution_id, row.group_id, row.stage_index)
                         .await?;
@@ -472,17 +475,12 @@ impl Engine {
 
     async fn cancel_claimed_once(&self, task: &ClaimedTask) -> Result<bool> {
         let mut tx = crate::store::begin(self.pool()).await?;
-        let Some(row) = tasks::cancel_claimed(&mut tx, task.id, task.lease).await? else {
+        if !fan_in::cancel_claimed(&mut tx, task.id, task.lease).await? {
             drop(tx);
             // The execution was resumed meanwhile (or the lease is lost): give it back.
             self.release(task).await?;
             return Ok(false);
-        };
-        let member = Member {
-            group_id: row.group_id,
-            item_index: row.item_index,
-        };
-        fanin::count_without_deciding(task.fan_in, &mut tx, member).await?;
+        }
         tx.commit().await?;
         Ok(true)
     }

@@ -104,17 +104,7 @@ pub(crate) async fn stalled_executions(conn: &mut PgConnection) -> Result<Vec<Gr
 /// the locks), sets every counter to the number of non-terminal members it stands for.
 /// Returns the group's corrected counter.
 pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Result<Option<i32>> {
-    sqlx::query(
-        "SELECT 1 FROM confluo.group_stripe WHERE group_id = $1 ORDER BY stripe
-            FOR NO KEY UPDATE",
-    )
-    .bind(group_id)
-    .execute(&mut *conn)
-    .await?;
-    sqlx::query("SELECT 1 FROM confluo.stage_group WHERE id = $1 FOR NO KEY UPDATE")
-        .bind(group_id)
-        .execute(&mut *conn)
-        .await?;
+    super::locks::counters(conn, group_id).await?;
     sqlx::query(
         "UPDATE confluo.group_stripe s
             SET remaining = (SELECT count(*) FROM confluo.task t
@@ -147,10 +137,7 @@ pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Resul
 /// take them) and tells, from a snapshot taken after the lock, whether it still needs
 /// firing: never fired, every member terminal, its execution running.
 pub(crate) async fn lock_if_unfired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
-    sqlx::query("SELECT 1 FROM confluo.stage_group WHERE id = $1 FOR NO KEY UPDATE")
-        .bind(group_id)
-        .execute(&mut *conn)
-        .await?;
+    super::locks::group_row(conn, group_id).await?;
     Ok(sqlx::query_scalar(
         "SELECT EXISTS (
             SELECT 1 FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
@@ -170,10 +157,7 @@ pub(crate) async fn lock_if_stalled(
     execution_id: ExecutionId,
     group_id: GroupId,
 ) -> Result<bool> {
-    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
-        .bind(execution_id)
-        .execute(&mut *conn)
-        .await?;
+    super::locks::execution(conn, execution_id).await?;
     Ok(sqlx::query_scalar(
         "SELECT EXISTS (
             SELECT 1 FROM confluo.execution e JOIN confluo.stage_group g ON g.id = $2

@@ -7,7 +7,7 @@ use sqlx::{FromRow, PgConnection};
 
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, TaskId};
-use crate::store::groups::{self, Count};
+use crate::store::fan_in::{self, Count};
 
 /// One dead-lettered task as listed.
 #[derive(Debug, Clone, FromRow)]
@@ -154,7 +154,7 @@ pub(crate) async fn requeue(
             SELECT pg_notify('{}', '') FROM (SELECT 1 FROM requeued LIMIT 1) r
          )
          SELECT r.id, r.group_id FROM requeued r, (SELECT count(*) FROM woken) w",
-        groups::counters_sql("requeued", Count::Up),
+        fan_in::counters_sql("requeued", Count::Up),
         super::TASKS_CHANNEL,
     );
     Ok(sqlx::query_as(&sql)

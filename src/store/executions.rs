@@ -9,7 +9,7 @@ use crate::definition::Workflow;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
-use crate::store::groups::{self, Count};
+use crate::store::fan_in::{self, Count};
 
 /// One execution row as stored.
 #[derive(Debug, Clone, FromRow)]
@@ -168,92 +168,6 @@ pub(crate) async fn insert_many(
         .collect()
 }
 
-/// An execution locked for a transition, and whether the group's fired marker was set.
-#[derive(Debug, Clone, FromRow)]
-pub(crate) struct FiringRow {
-    pub workflow_name: String,
-    pub workflow_version: i32,
-    /// The default fan-in strategy recorded when the execution started.
-    pub fan_in: String,
-    /// True for the one caller that fires the group, if the execution is running.
-    pub fired: bool,
-}
-
-/// Locks the execution row for the transition and sets the group's fired marker (a second
-/// guard behind every strategy's decision) if the execution is running, in one statement.
-pub(crate) async fn lock_and_mark_fired(
-    conn: &mut PgConnection,
-    id: ExecutionId,
-    group_id: GroupId,
-) -> Result<Option<FiringRow>> {
-    Ok(sqlx::query_as(
-        "WITH e AS (
-            SELECT status, workflow_name, workflow_version, fan_in FROM confluo.execution
-             WHERE id = $1 FOR NO KEY UPDATE
-         ), marked AS (
-            UPDATE confluo.stage_group SET fired_at = now()
-             WHERE id = $2 AND fired_at IS NULL AND (SELECT status FROM e) = 'running'
-         RETURNING id
-         )
-         SELECT e.workflow_name, e.workflow_version, e.fan_in, EXISTS (SELECT 1 FROM marked) AS fired
-           FROM e",
-    )
-    .bind(id)
-    .bind(group_id)
-    .fetch_optional(conn)
-    .await?)
-}
-
-/// A group whose execution [`lock_and_mark_fired_many`] locked.
-#[derive(Debug, Clone, FromRow)]
-pub(crate) struct FiringGroupRow {
-    pub group_id: GroupId,
-    pub execution_id: ExecutionId,
-    pub workflow_name: String,
-    pub workflow_version: i32,
-    pub fan_in: String,
-    /// True for the one caller that fires the group, if its execution is running.
-    pub fired: bool,
-}
-
-/// [`lock_and_mark_fired`] for many groups at once (each paired with its execution), in
-/// one statement: the executions are locked in id order. `nowait`: the transaction holds
-/// groups and has not locked these executions yet, so it must not wait for them (see
-/// [`locks`](super::locks)): a taken one fails the statement with 55P03.
-pub(crate) async fn lock_and_mark_fired_many(
-    conn: &mut PgConnection,
-    executions: &[ExecutionId],
-    groups: &[GroupId],
-    nowait: bool,
-) -> Result<Vec<FiringGroupRow>> {
-    let sql = format!(
-        "WITH v AS (
-            SELECT * FROM unnest($1::uuid[], $2::uuid[]) AS v(execution_id, group_id)
-         ), e AS (
-            SELECT x.id, x.status, x.workflow_name, x.workflow_version, x.fan_in
-              FROM confluo.execution x
-             WHERE x.id IN (SELECT execution_id FROM v)
-             ORDER BY x.id
-               FOR NO KEY UPDATE {}
-         ), marked AS (
-            UPDATE confluo.stage_group g SET fired_at = now()
-              FROM v, e
-             WHERE g.id = v.group_id AND e.id = v.execution_id
-               AND e.status = 'running' AND g.fired_at IS NULL
-         RETURNING g.id
-         )
-         SELECT v.group_id, v.execution_id, e.workflow_name, e.workflow_version, e.fan_in,
-                EXISTS (SELECT 1 FROM marked m WHERE m.id = v.group_id) AS fired
-           FROM v JOIN e ON e.id = v.execution_id",
-        if nowait { "NOWAIT" } else { "" }
-    );
-    Ok(sqlx::query_as(&sql)
-        .bind(executions)
-        .bind(groups)
-        .fetch_all(conn)
-        .await?)
-}
-
 /// [`complete`] for many executions at once, in one statement.
 pub(crate) async fn complete_many(
     conn: &mut PgConnection,
@@ -329,7 +243,7 @@ pub(crate) async fn stop(
          RETURNING group_id, item_index
          ) {}
          SELECT count(*) FROM c_groups",
-        groups::counters_sql("cancelled", Count::Down)
+        fan_in::counters_sql("cancelled", Count::Down)
     );
     sqlx::query(&sql).bind(id).execute(conn).await?;
     Ok(true)

@@ -20,9 +20,9 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use crate::error::{Error, Result};
 
 pub(crate) mod audit;
-pub(crate) mod completions;
 pub(crate) mod dead_letters;
 pub(crate) mod executions;
+pub(crate) mod fan_in;
 pub(crate) mod groups;
 pub(crate) mod locks;
 pub(crate) mod outputs;

@@ -1,8 +1,10 @@
-//! The `task` table: claiming, leases, and the guarded status transitions.
+//! The `task` table: claiming, leases, and the transitions that give a task back to the
+//! queue. Those that make it terminal count its group down, and live with the rest of
+//! the fan-in in [`fan_in`](super::fan_in).
 //!
-//! Every transition out of `running` is guarded by `status = 'running' AND lease_token =
-//! $token`: the lease token is the per-attempt idempotency key. A replayed, duplicate or
-//! stale acknowledgement matches no row and changes nothing.
+//! Every transition out of `running` is guarded by [`held!`]: the lease token is the
+//! per-attempt idempotency key. A replayed, duplicate or stale acknowledgement matches no
+//! row and changes nothing.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -11,6 +13,7 @@ use sqlx::{FromRow, PgConnection};
 
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+use crate::store::fan_in::held;
 
 /// A task as handed to a worker by a claim.
 #[derive(Debug, Clone, FromRow)]
@@ -194,12 +197,13 @@ pub(crate) async fn renew_lease(
     token: LeaseToken,
     lease_ms: i64,
 ) -> Result<Option<String>> {
-    Ok(sqlx::query_scalar(
+    Ok(sqlx::query_scalar(concat!(
         "UPDATE confluo.task t
             SET lease_expires_at = now() + $3 * interval '1 millisecond', started = true
-          WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
-      RETURNING (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)",
-    )
+          WHERE ",
+        held!("t", "$1", "$2"),
+        " RETURNING (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)"
+    ))
     .bind(id)
     .bind(token)
     .bind(lease_ms)
@@ -223,12 +227,13 @@ pub(crate) async fn renew_leases(
     started: &[bool],
     lease_ms: i64,
 ) -> Result<Vec<(TaskId, String)>> {
-    Ok(sqlx::query_as(
+    Ok(sqlx::query_as(concat!(
         "WITH held AS (
             SELECT x.id, h.started FROM confluo.task x
               JOIN unnest($1::uuid[], $2::uuid[], $4::bool[]) AS h(id, token, started)
-                ON x.id = h.id AND x.lease_token = h.token
-             WHERE x.status = 'running'
+                ON ",
+        held!("x", "h.id", "h.token"),
+        "
              ORDER BY x.id
                FOR NO KEY UPDATE OF x SKIP LOCKED
          )
@@ -237,178 +242,13 @@ pub(crate) async fn renew_leases(
                 started = t.started OR held.started
            FROM held
           WHERE t.id = held.id
-      RETURNING t.id, (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)",
-    )
+      RETURNING t.id, (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)"
+    ))
     .bind(ids)
     .bind(tokens)
     .bind(lease_ms)
     .bind(started)
     .fetch_all(conn)
-    .await?)
-}
-
-/// Locks the execution row as the classic row-lock fan-in does (`FOR UPDATE`).
-pub(crate) async fn lock_execution_for_update(
-    conn: &mut PgConnection,
-    execution_id: ExecutionId,
-) -> Result<()> {
-    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR UPDATE")
-        .bind(execution_id)
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
-/// Members of a group that are not terminal, and members in all: a re-read of the group.
-pub(crate) async fn count_open_members(
-    conn: &mut PgConnection,
-    group_id: GroupId,
-) -> Result<(i64, i64)> {
-    Ok(sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE status IN ('pending', 'running')), count(*)
-           FROM confluo.task WHERE group_id = $1",
-    )
-    .bind(group_id)
-    .fetch_one(conn)
-    .await?)
-}
-
-/// The result of recording a failed attempt.
-#[derive(Debug, Clone, FromRow)]
-pub(crate) struct FailedRow {
-    /// `pending` (retry scheduled), `dead`, or `cancelled` (its execution stopped).
-    pub status: String,
-    pub run_at: DateTime<Utc>,
-    pub attempt: i32,
-    pub group_id: GroupId,
-    pub stage_index: i32,
-    pub item_index: i32,
-    /// What the failure left on a countdown group's counter (NULL for other strategies,
-    /// and when the attempt will be retried).
-    pub remaining: Option<i32>,
-}
-
-/// Lease expiries a task may have before any start was reported, each given back
-/// uncounted, before expiries count as attempts again: a worker that dies takes its
-/// local queue's leases with it, and those tasks never ran; but a task that kills its
-/// worker before the worker can report its start (within a second) must still reach
-/// its attempt limit and be dead-lettered, not loop forever.
-pub(crate) const HELD_EXPIRIES: i32 = 3;
-
-/// Records a failed attempt: schedules a retry with backoff (from the policy persisted on
-/// the row), or dead-letters the task when attempts are exhausted or the error is
-/// permanent, or cancels it when its execution has stopped. A terminal outcome decrements
-/// the group in the same statement. With `only_if_expired`, the lease must have expired
-/// (reclaiming), so a renewal that won the race keeps the attempt alive, and the attempt's
-/// token is cleared: its late acknowledgements are `LeaseLost`, not replays. A reclaimed
-/// attempt whose start was never reported (it waited in a dead worker's local queue) is
-/// given back uncounted and due at once, at most [`HELD_EXPIRIES`] times per task.
-pub(crate) async fn fail_counting_down(
-    conn: &mut PgConnection,
-    id: TaskId,
-    token: LeaseToken,
-    error: &str,
-    permanent: bool,
-    only_if_expired: bool,
-) -> Result<Option<FailedRow>> {
-    Ok(sqlx::query_as(
-        "WITH stopped AS (
-            -- Locked only when the execution has stopped, so that a resume (which holds
-            -- the execution's lock) cannot slip between this read and the write.
-            SELECT x.id FROM confluo.execution x
-             WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
-               AND x.status <> 'running'
-               FOR SHARE
-         ), failed AS (
-            UPDATE confluo.task t
-               SET status = v.next_status,
-                   attempt = CASE WHEN v.unstarted THEN t.attempt - 1 ELSE t.attempt END,
-                   held_expiries = t.held_expiries + CASE WHEN v.unstarted THEN 1 ELSE 0 END,
-                   run_at = CASE WHEN v.unstarted THEN now()
-                       WHEN v.next_status = 'pending'
-                       THEN now() + least(t.backoff_max_ms::float8,
-                                          t.backoff_base_ms * power(2::float8, greatest(t.attempt - 1, 0)))
-                                  * (1 - t.backoff_jitter * random()) * interval '1 millisecond'
-                       ELSE t.run_at END,
-                   errors = CASE WHEN v.unstarted THEN t.errors
-                       ELSE t.errors || jsonb_build_array(jsonb_build_object(
-                           'attempt', t.attempt, 'error', $3::text, 'at', now())) END,
-                   finished_at = CASE WHEN v.next_status = 'pending' THEN NULL ELSE now() END,
-                   lease_expires_at = NULL,
-                   -- A reclaimed attempt acknowledged nothing, so nothing of it can be
-                   -- replayed: clearing its token fences out whatever it sends later.
-                   lease_token = CASE WHEN $5 THEN NULL ELSE t.lease_token END
-              FROM (SELECT CASE
-                        WHEN EXISTS (SELECT 1 FROM stopped) THEN 'cancelled'
-                        WHEN u.unstarted THEN 'pending'
-                        WHEN $4 OR y.attempt >= y.max_attempts THEN 'dead'
-                        ELSE 'pending' END AS next_status,
-                        u.unstarted AND NOT EXISTS (SELECT 1 FROM stopped) AS unstarted
-                      FROM confluo.task y
-                     CROSS JOIN LATERAL (SELECT $5 AND NOT y.started
-                                                AND y.held_expiries < $6 AS unstarted) u
-                     WHERE y.id = $1) v
-             WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'
-               AND (NOT $5 OR t.lease_expires_at < now())
-         RETURNING t.group_id, t.stage_index, t.item_index, t.status, t.run_at, t.attempt
-         ), counted AS (
-            UPDATE confluo.stage_group g
-               SET remaining = g.remaining - 1
-              FROM failed
-             WHERE g.id = failed.group_id AND failed.status <> 'pending'
-               AND g.fan_in = 'countdown'
-         RETURNING g.remaining
-         )
-         SELECT failed.status, failed.run_at, failed.attempt,
-                failed.group_id, failed.stage_index, failed.item_index, counted.remaining
-           FROM failed LEFT JOIN counted ON true",
-    )
-    .bind(id)
-    .bind(token)
-    .bind(error)
-    .bind(permanent)
-    .bind(only_if_expired)
-    .bind(HELD_EXPIRIES)
-    .fetch_optional(conn)
-    .await?)
-}
-
-/// The group of a member whose terminal status was just written.
-#[derive(Debug, Clone, Copy, FromRow)]
-pub(crate) struct MemberRow {
-    pub group_id: GroupId,
-    pub execution_id: ExecutionId,
-    pub stage_index: i32,
-    pub item_index: i32,
-}
-
-/// Cancels a claimed attempt whose execution has stopped (`None` if the attempt lost its
-/// lease, or the execution is running again). Its group is counted down by the caller,
-/// as its strategy says.
-pub(crate) async fn cancel_claimed(
-    conn: &mut PgConnection,
-    id: TaskId,
-    token: LeaseToken,
-) -> Result<Option<MemberRow>> {
-    Ok(sqlx::query_as(
-        "WITH stopped AS (
-            -- Under a share lock: a resume that commits first makes this cancel nothing.
-            SELECT x.id FROM confluo.execution x
-             WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
-               AND x.status <> 'running'
-               FOR SHARE
-         )
-         UPDATE confluo.task
-            SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL,
-                -- The claim counted an attempt that never ran: a resume requeues it whole.
-                attempt = attempt - 1
-          WHERE id = $1 AND lease_token = $2 AND status = 'running'
-            AND EXISTS (SELECT 1 FROM stopped)
-      RETURNING group_id, execution_id, stage_index, item_index",
-    )
-    .bind(id)
-    .bind(token)
-    .fetch_optional(conn)
     .await?)
 }
 
@@ -418,11 +258,12 @@ pub(crate) async fn release(
     id: TaskId,
     token: LeaseToken,
 ) -> Result<bool> {
-    let rows = sqlx::query(
-        "UPDATE confluo.task
-            SET status = 'pending', attempt = attempt - 1, run_at = now(), lease_expires_at = NULL
-          WHERE id = $1 AND lease_token = $2 AND status = 'running'",
-    )
+    let rows = sqlx::query(concat!(
+        "UPDATE confluo.task t
+            SET status = 'pending', attempt = t.attempt - 1, run_at = now(), lease_expires_at = NULL
+          WHERE ",
+        held!("t", "$1", "$2")
+    ))
     .bind(id)
     .bind(token)
     .execute(conn)
@@ -439,16 +280,17 @@ pub(crate) async fn release_many(
     ids: &[TaskId],
     tokens: &[LeaseToken],
 ) -> Result<Vec<TaskId>> {
-    Ok(sqlx::query_scalar(
+    Ok(sqlx::query_scalar(concat!(
         "UPDATE confluo.task t
             SET status = 'pending', attempt = t.attempt - 1, run_at = now(),
                 lease_expires_at = NULL
            FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
-          WHERE t.id = h.id AND t.lease_token = h.token AND t.status = 'running'
-            AND EXISTS (SELECT 1 FROM confluo.execution e
-                         WHERE e.id = t.execution_id AND e.status = 'running')
-      RETURNING t.id",
-    )
+          WHERE ",
+        held!("t", "h.id", "h.token"),
+        " AND EXISTS (SELECT 1 FROM confluo.execution e
+                       WHERE e.id = t.execution_id AND e.status = 'running')
+      RETURNING t.id"
+    ))
     .bind(ids)
     .bind(tokens)
     .fetch_all(conn)
@@ -510,8 +352,8 @@ pub(crate) async fn held(
     token: LeaseToken,
 ) -> Result<Option<ClaimedRow>> {
     let sql = format!(
-        "SELECT {CLAIMED_COLUMNS} FROM confluo.task t
-          WHERE t.id = $1 AND t.lease_token = $2 AND t.status = 'running'"
+        "SELECT {CLAIMED_COLUMNS} FROM confluo.task t WHERE {}",
+        held!("t", "$1", "$2")
     );
     Ok(sqlx::query_as(&sql)
         .bind(id)
@@ -528,13 +370,14 @@ pub(crate) async fn set_aside(
     tokens: &[LeaseToken],
     delay_ms: i64,
 ) -> Result<u64> {
-    Ok(sqlx::query(
+    Ok(sqlx::query(concat!(
         "UPDATE confluo.task t
             SET status = 'pending', attempt = t.attempt - 1, lease_expires_at = NULL,
                 run_at = now() + $3 * interval '1 millisecond', started = true
            FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
-          WHERE t.id = h.id AND t.lease_token = h.token AND t.status = 'running'",
-    )
+          WHERE ",
+        held!("t", "h.id", "h.token")
+    ))
     .bind(ids)
     .bind(tokens)
     .bind(delay_ms)

@@ -103,8 +103,15 @@ impl fmt::Debug for WorkerBuilder {
     }
 }
 
+impl Engine {
+    /// A builder for a worker that runs this engine's tasks.
+    pub fn worker(&self) -> WorkerBuilder {
+        WorkerBuilder::new(self.clone())
+    }
+}
+
 impl WorkerBuilder {
-    pub(crate) fn new(engine: Engine) -> Self {
+    fn new(engine: Engine) -> Self {
         WorkerBuilder {
             engine,
             handlers: HashMap::new(),

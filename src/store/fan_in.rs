@@ -1,0 +1,537 @@
+//! The fan-in, in one place: every statement that writes a member's terminal status and
+//! moves its group's counter, the one counter fragment they share, the decision taken
+//! from what they return ([`decide`], [`last_arrivals`]: the re-count of the baseline
+//! strategies included), and the fired marker. What a firing does next (enter the next
+//! stage, or complete the execution) is `dispatch`'s.
+//!
+//! # The guard
+//! Every transition out of `running` matches the attempt's task only while it is
+//! running under the attempt's lease token ([`held!`]): the token is the per-attempt
+//! idempotency key. A replayed, duplicate or stale acknowledgement matches no row, so it
+//! counts nothing down and fires nothing.
+//!
+//! # The counters
+//! A countdown group counts its non-terminal members on its `stage_group` row; a striped
+//! group counts them on its stripes (`group_stripe`), and its `stage_group` row counts
+//! the stripes not yet drained. Re-counting strategies (row lock, naive) keep no counter.
+//! Every statement that makes members terminal, or brings terminal members back, moves
+//! the counters with [`counters_sql`] in that same statement; only
+//! [`complete_many_unless_last`] has a form of its own, which refuses to take any
+//! counter to zero.
+//!
+//! # Locks
+//! Rows are locked in the one order of [`locks`](super::locks): executions, tasks,
+//! stripes, groups; each kind in id order. The statements here lock tasks (their guarded
+//! update), then stripes, then groups; the execution, where one is needed, is locked
+//! before them by the caller, or by [`lock_and_mark_fired`] when a transaction that
+//! already holds the group fires it (see `locks` for why that cannot deadlock).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{FromRow, PgConnection};
+
+use super::locks;
+use crate::error::Result;
+use crate::fanin::FanInStrategy;
+use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
+
+/// The guard of every transition out of `running`, as SQL: the task row `$task` is
+/// running under the attempt `$id`, `$token`. `held!("t", "$1", "$2")` reads
+/// `t.id = $1 AND t.lease_token = $2 AND t.status = 'running'`.
+macro_rules! held {
+    ($task:literal, $id:literal, $token:literal) => {
+        concat!(
+            $task,
+            ".id = ",
+            $id,
+            " AND ",
+            $task,
+            ".lease_token = ",
+            $token,
+            " AND ",
+            $task,
+            ".status = 'running'"
+        )
+    };
+}
+pub(crate) use held;
+
+/// Which way [`counters_sql`] moves the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Count {
+    /// Members became terminal (completed, dead, cancelled): count them down.
+    Down,
+    /// Terminal members went back to the queue (reprocessed, resumed): count them up.
+    Up,
+}
+
+/// The CTEs (to follow a `WITH source AS (...)` that yields at least `group_id,
+/// item_index` of the members that changed) moving their groups' counters by one per
+/// member: countdown groups directly; striped groups on their stripes, and on the group
+/// row by the number of stripes that drained (down) or came back from zero (up). Rows are
+/// locked stripes first, then groups, each in id order, so that no two statements that
+/// count can deadlock. Groups of re-counting strategies are not touched.
+///
+/// Two CTEs are for the statement's own use: `c_members` (the source's rows, each with
+/// its group's `fan_in` and `stripe`) and `c_groups` (`id, remaining` of every group
+/// row it moved: a countdown group, or a striped group whose stripes drained or
+/// refilled).
+pub(crate) fn counters_sql(source: &str, count: Count) -> String {
+    let (op, crossed) = match count {
+        Count::Down => ("-", "s.remaining = 0"),
+        Count::Up => ("+", "s.remaining = p.n"),
+    };
+    format!(
+        ", c_members AS (
+            -- fan_in, stripes and stripe_run never change once a group exists.
+            SELECT m.*, g.fan_in,
+                   confluo.stripe_of(m.item_index, g.stripe_run, g.stripes) AS stripe
+              FROM {source} m JOIN confluo.stage_group g ON g.id = m.group_id
+         ), c_per_stripe AS (
+            SELECT group_id, stripe, count(*)::int AS n
+              FROM c_members WHERE fan_in = 'striped' GROUP BY 1, 2
+         ), c_stripes_locked AS (
+            SELECT s.group_id FROM confluo.group_stripe s
+              JOIN c_per_stripe p ON s.group_id = p.group_id AND s.stripe = p.stripe
+             ORDER BY s.group_id, s.stripe
+               FOR NO KEY UPDATE OF s
+         ), c_stripes AS (
+            UPDATE confluo.group_stripe s SET remaining = s.remaining {op} p.n
+              FROM c_per_stripe p, (SELECT count(*) FROM c_stripes_locked) l
+             WHERE s.group_id = p.group_id AND s.stripe = p.stripe
+         RETURNING s.group_id, {crossed} AS crossed
+         ), c_per_group AS (
+            SELECT group_id, count(*)::int AS n
+              FROM c_members WHERE fan_in = 'countdown' GROUP BY 1
+             UNION ALL
+            SELECT group_id, count(*)::int FROM c_stripes WHERE crossed GROUP BY 1
+         ), c_groups_locked AS (
+            SELECT g.id FROM confluo.stage_group g JOIN c_per_group p ON p.group_id = g.id
+             ORDER BY g.id
+               FOR NO KEY UPDATE OF g
+         ), c_groups AS (
+            UPDATE confluo.stage_group g SET remaining = g.remaining {op} p.n
+              FROM c_per_group p, (SELECT count(*) FROM c_groups_locked) l
+             WHERE g.id = p.group_id
+         RETURNING g.id, g.remaining
+         )"
+    )
+}
+
+/// A member completed by [`complete_many`].
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct CompletedRow {
+    pub id: TaskId,
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+    pub fan_in: String,
+    /// The group's counter after this statement, where it moved the group row (`None`
+    /// for re-counting strategies, and for a striped group whose stripe did not drain).
+    pub remaining: Option<i32>,
+}
+
+/// Completes running attempts (one or many) and counts their groups down, in one
+/// statement: each attempt guarded by its own lease token, each stripe and each group
+/// counted once for all its members here ([`counters_sql`]). Returns the members it
+/// completed, each with what the statement left on its group's counter.
+pub(crate) async fn complete_many(
+    conn: &mut PgConnection,
+    ids: &[TaskId],
+    tokens: &[LeaseToken],
+    outputs: &[Json<&Value>],
+) -> Result<Vec<CompletedRow>> {
+    let sql = format!(
+        "WITH done AS (
+            UPDATE confluo.task t
+               SET status = 'completed', output = i.output, finished_at = now(),
+                   lease_expires_at = NULL
+              FROM unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
+             WHERE {}
+         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index
+         ) {}
+         SELECT m.id, m.group_id, m.execution_id, m.stage_index, m.fan_in, c.remaining
+           FROM c_members m LEFT JOIN c_groups c ON c.id = m.group_id",
+        held!("t", "i.id", "i.token"),
+        counters_sql("done", Count::Down)
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(ids)
+        .bind(tokens)
+        .bind(outputs)
+        .fetch_all(conn)
+        .await?)
+}
+
+/// [`complete_many`] in one statement meant to run on its own, outside any transaction,
+/// when it holds no group's last arrival: every item must hold its lease, every group
+/// must keep a counter (countdown or striped), and every counter it touches must stay
+/// above zero; otherwise it changes nothing and returns false, and the caller takes the
+/// transactional path, which can fire. No BEGIN or COMMIT round trip: the hot counter
+/// rows are held for the statement and its commit only. Locks as everywhere: task rows,
+/// then stripes, then groups, each in id order.
+pub(crate) async fn complete_many_unless_last(
+    conn: &mut PgConnection,
+    ids: &[TaskId],
+    tokens: &[LeaseToken],
+    outputs: &[Json<&Value>],
+) -> Result<bool> {
+    Ok(sqlx::query_scalar(concat!(
+        "WITH t AS (
+            SELECT x.id, x.group_id, x.item_index, i.output
+              FROM confluo.task x
+              JOIN unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
+                ON ",
+        held!("x", "i.id", "i.token"),
+        "
+             ORDER BY x.id
+               FOR NO KEY UPDATE OF x
+         ), arrived AS (
+            SELECT t.*, g.fan_in,
+                   CASE WHEN g.fan_in = 'striped'
+                        THEN confluo.stripe_of(t.item_index, g.stripe_run, g.stripes) END AS stripe
+              FROM t JOIN confluo.stage_group g ON g.id = t.group_id
+         ), per_counter AS (
+            SELECT group_id, stripe, count(*)::int AS n FROM arrived GROUP BY 1, 2
+         ), stripes_locked AS (
+            SELECT s.group_id, s.stripe, s.remaining, p.n FROM confluo.group_stripe s
+              JOIN per_counter p ON s.group_id = p.group_id AND s.stripe = p.stripe
+             ORDER BY s.group_id, s.stripe
+               FOR NO KEY UPDATE OF s
+         ), groups_locked AS (
+            SELECT g.id, g.remaining, p.n FROM confluo.stage_group g
+              JOIN per_counter p ON g.id = p.group_id AND p.stripe IS NULL
+             WHERE g.fan_in = 'countdown'
+             ORDER BY g.id
+               FOR NO KEY UPDATE OF g
+         ), go AS (
+            SELECT (SELECT count(DISTINCT id) FROM arrived) = cardinality($1::uuid[])
+               AND cardinality($1::uuid[]) = (SELECT count(DISTINCT i) FROM unnest($1::uuid[]) i)
+               AND NOT EXISTS (SELECT 1 FROM arrived WHERE fan_in NOT IN ('countdown', 'striped'))
+               AND (SELECT count(*) FROM stripes_locked) + (SELECT count(*) FROM groups_locked)
+                   = (SELECT count(*) FROM per_counter)
+               AND (SELECT coalesce(bool_and(remaining > n), true) FROM stripes_locked)
+               AND (SELECT coalesce(bool_and(remaining > n), true) FROM groups_locked) AS ok
+         ), stripes_counted AS (
+            UPDATE confluo.group_stripe s SET remaining = s.remaining - l.n
+              FROM stripes_locked l, go
+             WHERE go.ok AND s.group_id = l.group_id AND s.stripe = l.stripe
+         ), groups_counted AS (
+            UPDATE confluo.stage_group g SET remaining = g.remaining - l.n
+              FROM groups_locked l, go
+             WHERE go.ok AND g.id = l.id
+         ), done AS (
+            UPDATE confluo.task x
+               SET status = 'completed', output = t.output, finished_at = now(),
+                   lease_expires_at = NULL
+              FROM t, go
+             WHERE go.ok AND x.id = t.id
+         )
+         SELECT ok FROM go"
+    ))
+    .bind(ids)
+    .bind(tokens)
+    .bind(outputs)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// The result of recording a failed attempt.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct FailedRow {
+    /// `pending` (retry scheduled), `dead`, or `cancelled` (its execution stopped).
+    pub status: String,
+    pub run_at: DateTime<Utc>,
+    pub attempt: i32,
+    pub group_id: GroupId,
+    pub stage_index: i32,
+    /// What the statement left on the group's counter, where it moved the group row (as
+    /// [`CompletedRow::remaining`]; `None` when the attempt will be retried).
+    pub remaining: Option<i32>,
+}
+
+/// Lease expiries a task may have before any start was reported, each given back
+/// uncounted, before expiries count as attempts again: a worker that dies takes its
+/// local queue's leases with it, and those tasks never ran; but a task that kills its
+/// worker before the worker can report its start (within a second) must still reach
+/// its attempt limit and be dead-lettered, not loop forever.
+pub(crate) const HELD_EXPIRIES: i32 = 3;
+
+/// Records a failed attempt: schedules a retry with backoff (from the policy persisted on
+/// the row), or dead-letters the task when attempts are exhausted or the error is
+/// permanent, or cancels it when its execution has stopped. A terminal outcome counts the
+/// group down in the same statement. With `only_if_expired`, the lease must have expired
+/// (reclaiming), so a renewal that won the race keeps the attempt alive, and the attempt's
+/// token is cleared: its late acknowledgements are `LeaseLost`, not replays. A reclaimed
+/// attempt whose start was never reported (it waited in a dead worker's local queue) is
+/// given back uncounted and due at once, at most [`HELD_EXPIRIES`] times per task.
+pub(crate) async fn fail(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+    error: &str,
+    permanent: bool,
+    only_if_expired: bool,
+) -> Result<Option<FailedRow>> {
+    let sql = format!(
+        "WITH stopped AS (
+            -- Locked only when the execution has stopped, so that a resume (which holds
+            -- the execution's lock) cannot slip between this read and the write.
+            SELECT x.id FROM confluo.execution x
+             WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
+               AND x.status <> 'running'
+               FOR SHARE
+         ), failed AS (
+            UPDATE confluo.task t
+               SET status = v.next_status,
+                   attempt = CASE WHEN v.unstarted THEN t.attempt - 1 ELSE t.attempt END,
+                   held_expiries = t.held_expiries + CASE WHEN v.unstarted THEN 1 ELSE 0 END,
+                   run_at = CASE WHEN v.unstarted THEN now()
+                       WHEN v.next_status = 'pending'
+                       THEN now() + least(t.backoff_max_ms::float8,
+                                          t.backoff_base_ms * power(2::float8, greatest(t.attempt - 1, 0)))
+                                  * (1 - t.backoff_jitter * random()) * interval '1 millisecond'
+                       ELSE t.run_at END,
+                   errors = CASE WHEN v.unstarted THEN t.errors
+                       ELSE t.errors || jsonb_build_array(jsonb_build_object(
+                           'attempt', t.attempt, 'error', $3::text, 'at', now())) END,
+                   finished_at = CASE WHEN v.next_status = 'pending' THEN NULL ELSE now() END,
+                   lease_expires_at = NULL,
+                   -- A reclaimed attempt acknowledged nothing, so nothing of it can be
+                   -- replayed: clearing its token fences out whatever it sends later.
+                   lease_token = CASE WHEN $5 THEN NULL ELSE t.lease_token END
+              FROM (SELECT CASE
+                        WHEN EXISTS (SELECT 1 FROM stopped) THEN 'cancelled'
+                        WHEN u.unstarted THEN 'pending'
+                        WHEN $4 OR y.attempt >= y.max_attempts THEN 'dead'
+                        ELSE 'pending' END AS next_status,
+                        u.unstarted AND NOT EXISTS (SELECT 1 FROM stopped) AS unstarted
+                      FROM confluo.task y
+                     CROSS JOIN LATERAL (SELECT $5 AND NOT y.started
+                                                AND y.held_expiries < $6 AS unstarted) u
+                     WHERE y.id = $1) v
+             WHERE {} AND (NOT $5 OR t.lease_expires_at < now())
+         RETURNING t.group_id, t.stage_index, t.item_index, t.status, t.run_at, t.attempt
+         ), ended AS (
+            SELECT group_id, item_index FROM failed WHERE status <> 'pending'
+         ) {}
+         SELECT f.status, f.run_at, f.attempt, f.group_id, f.stage_index,
+                (SELECT c.remaining FROM c_groups c) AS remaining
+           FROM failed f",
+        held!("t", "$1", "$2"),
+        counters_sql("ended", Count::Down)
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(id)
+        .bind(token)
+        .bind(error)
+        .bind(permanent)
+        .bind(only_if_expired)
+        .bind(HELD_EXPIRIES)
+        .fetch_optional(conn)
+        .await?)
+}
+
+/// Cancels a claimed attempt whose execution has stopped and counts its group down, in
+/// one statement. False if the attempt lost its lease, or the execution is running again.
+pub(crate) async fn cancel_claimed(
+    conn: &mut PgConnection,
+    id: TaskId,
+    token: LeaseToken,
+) -> Result<bool> {
+    let sql = format!(
+        "WITH stopped AS (
+            -- Under a share lock: a resume that commits first makes this cancel nothing.
+            SELECT x.id FROM confluo.execution x
+             WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
+               AND x.status <> 'running'
+               FOR SHARE
+         ), cancelled AS (
+            UPDATE confluo.task t
+               SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL,
+                   -- The claim counted an attempt that never ran: a resume requeues it whole.
+                   attempt = t.attempt - 1
+             WHERE {} AND EXISTS (SELECT 1 FROM stopped)
+         RETURNING t.group_id, t.item_index
+         ) {}
+         SELECT count(*) FROM cancelled",
+        held!("t", "$1", "$2"),
+        counters_sql("cancelled", Count::Down)
+    );
+    let cancelled: i64 = sqlx::query_scalar(&sql)
+        .bind(id)
+        .bind(token)
+        .fetch_one(conn)
+        .await?;
+    Ok(cancelled == 1)
+}
+
+/// Members of a group that are not terminal, and members in all: the re-read by which
+/// the re-counting strategies decide.
+pub(crate) async fn count_open_members(
+    conn: &mut PgConnection,
+    group_id: GroupId,
+) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status IN ('pending', 'running')), count(*)
+           FROM confluo.task WHERE group_id = $1",
+    )
+    .bind(group_id)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// Decides whether a terminal arrival whose status this transaction already wrote was its
+/// group's last. `remaining` is what that statement left on the group's counter (the
+/// statements above count every counting group down as they write the status): zero is
+/// the last arrival, and only one statement can see it, because the counter's row lock
+/// serializes them. The re-counting strategies read the group again instead.
+pub(crate) async fn decide(
+    strategy: FanInStrategy,
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    group_id: GroupId,
+    remaining: Option<i32>,
+) -> Result<bool> {
+    match strategy {
+        FanInStrategy::Countdown | FanInStrategy::Striped => Ok(remaining == Some(0)),
+        FanInStrategy::RowLock => {
+            // The execution's lock serializes every completion of the execution until
+            // commit, so the last committer sees every sibling terminal.
+            locks::execution_for_update(conn, execution_id).await?;
+            let (open, total) = count_open_members(conn, group_id).await?;
+            Ok(open == 0 && total > 0)
+        }
+        #[cfg(feature = "naive-fan-in")]
+        FanInStrategy::NaiveRecount => {
+            // No lock: two members committing together each count the other as
+            // unfinished, and nobody fires.
+            let (open, total) = count_open_members(conn, group_id).await?;
+            Ok(open == 0 && total > 0)
+        }
+    }
+}
+
+/// The groups whose last arrival is among `completed`, the members that one
+/// [`complete_many`] completed (and counted down). Decided once per group, in group
+/// order.
+pub(crate) async fn last_arrivals(
+    conn: &mut PgConnection,
+    completed: &[CompletedRow],
+) -> Result<Vec<GroupId>> {
+    let mut groups: BTreeMap<GroupId, &CompletedRow> = BTreeMap::new();
+    for row in completed {
+        groups.entry(row.group_id).or_insert(row);
+    }
+    let mut last = Vec::new();
+    for (group, row) in groups {
+        let strategy = row.fan_in.parse::<FanInStrategy>()?;
+        if decide(strategy, conn, row.execution_id, group, row.remaining).await? {
+            last.push(group);
+        }
+    }
+    Ok(last)
+}
+
+/// Sets the fired marker of a group that nobody else can hold (an empty map, entered and
+/// fired in the transaction that created it): true if this call set it.
+pub(crate) async fn mark_fired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
+    let fired = sqlx::query(
+        "UPDATE confluo.stage_group SET fired_at = now()
+          WHERE id = $1 AND fired_at IS NULL",
+    )
+    .bind(group_id)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    Ok(fired == 1)
+}
+
+/// An execution locked for a transition, and whether the group's fired marker was set.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct FiringRow {
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    /// The default fan-in strategy recorded when the execution started.
+    pub fan_in: String,
+    /// True for the one caller that fires the group, if the execution is running.
+    pub fired: bool,
+}
+
+/// Locks the execution row for the transition and sets the group's fired marker (a second
+/// guard behind every strategy's decision) if the execution is running, in one statement.
+pub(crate) async fn lock_and_mark_fired(
+    conn: &mut PgConnection,
+    id: ExecutionId,
+    group_id: GroupId,
+) -> Result<Option<FiringRow>> {
+    Ok(sqlx::query_as(
+        "WITH e AS (
+            SELECT status, workflow_name, workflow_version, fan_in FROM confluo.execution
+             WHERE id = $1 FOR NO KEY UPDATE
+         ), marked AS (
+            UPDATE confluo.stage_group SET fired_at = now()
+             WHERE id = $2 AND fired_at IS NULL AND (SELECT status FROM e) = 'running'
+         RETURNING id
+         )
+         SELECT e.workflow_name, e.workflow_version, e.fan_in, EXISTS (SELECT 1 FROM marked) AS fired
+           FROM e",
+    )
+    .bind(id)
+    .bind(group_id)
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// A group whose execution [`lock_and_mark_fired_many`] locked.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct FiringGroupRow {
+    pub group_id: GroupId,
+    pub execution_id: ExecutionId,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    pub fan_in: String,
+    /// True for the one caller that fires the group, if its execution is running.
+    pub fired: bool,
+}
+
+/// [`lock_and_mark_fired`] for many groups at once (each paired with its execution), in
+/// one statement: the executions are locked in id order. `nowait`: the transaction holds
+/// groups and has not locked these executions yet, so it must not wait for them (see
+/// [`locks`](super::locks)): a taken one fails the statement with 55P03.
+pub(crate) async fn lock_and_mark_fired_many(
+    conn: &mut PgConnection,
+    executions: &[ExecutionId],
+    groups: &[GroupId],
+    nowait: bool,
+) -> Result<Vec<FiringGroupRow>> {
+    let sql = format!(
+        "WITH v AS (
+            SELECT * FROM unnest($1::uuid[], $2::uuid[]) AS v(execution_id, group_id)
+         ), e AS (
+            SELECT x.id, x.status, x.workflow_name, x.workflow_version, x.fan_in
+              FROM confluo.execution x
+             WHERE x.id IN (SELECT execution_id FROM v)
+             ORDER BY x.id
+               FOR NO KEY UPDATE {}
+         ), marked AS (
+            UPDATE confluo.stage_group g SET fired_at = now()
+              FROM v, e
+             WHERE g.id = v.group_id AND e.id = v.execution_id
+               AND e.status = 'running' AND g.fired_at IS NULL
+         RETURNING g.id
+         )
+         SELECT v.group_id, v.execution_id, e.workflow_name, e.workflow_version, e.fan_in,
+                EXISTS (SELECT 1 FROM marked m WHERE m.id = v.group_id) AS fired
+           FROM v JOIN e ON e.id = v.execution_id",
+        if nowait { "NOWAIT" } else { "" }
+    );
+    Ok(sqlx::query_as(&sql)
+        .bind(executions)
+        .bind(groups)
+        .fetch_all(conn)
+        .await?)
+}
