@@ -94,7 +94,7 @@ pub use listing::{ExecutionSummary, ListFilter, MemberSummary, QueueDepth};
 pub use outputs::{BlockMember, BlockOutputs, DEFAULT_INLINE_BLOCK_INPUT, MAX_MAP_WIDTH};
 pub use queue::Outcome;
 pub use start::{StartOptions, Started};
-pub use worker::{Worker, WorkerBuilder};
+pub use worker::{Notifications, Worker, WorkerBuilder};
 
 /// The README's examples, compiled as doctests so that they cannot drift from the API.
 #[doc = include_str!("../README.md")]

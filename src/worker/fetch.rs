@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::time::{sleep, Instant};
 
-use super::State;
+use super::{Notifications, State};
 use crate::store;
 
 /// Claims into the local queue until shutdown. A refill waits until the worker has room
@@ -153,8 +153,14 @@ pub(super) async fn housekeeping(state: Arc<State>) {
     }
 }
 
-/// Wakes the fetcher on every notification; reconnects on error.
+/// Wakes the fetcher on every notification; reconnects on error. Returns at once when
+/// notifications are off.
 pub(super) async fn listen(state: Arc<State>) {
+    let options = match &state.settings.notifications {
+        Notifications::Pool => (*state.engine.pool().connect_options()).clone(),
+        Notifications::Direct(options) => (**options).clone(),
+        Notifications::Off => return,
+    };
     loop {
         let result = async {
             // A connection of its own, so that listening never takes a slot of the pool.
@@ -162,7 +168,7 @@ pub(super) async fn listen(state: Arc<State>) {
                 .max_connections(1)
                 .max_lifetime(None)
                 .idle_timeout(None)
-                .connect_with((*state.engine.pool().connect_options()).clone())
+                .connect_with(options.clone())
                 .await?;
             let mut listener = PgListener::connect_with(&pool).await?;
             listener.listen(store::TASKS_CHANNEL).await?;

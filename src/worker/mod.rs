@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
+use sqlx::postgres::PgConnectOptions;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -73,6 +74,27 @@ struct Settings {
     grace: Duration,
     partial: bool,
     inline_block_input: u64,
+    notifications: Notifications,
+}
+
+/// How a worker hears that tasks became claimable, between its polls
+/// ([`WorkerBuilder::notifications`]).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub enum Notifications {
+    /// `LISTEN` on a connection of its own, opened with the pool's connect options (one
+    /// connection more than the pool). The default.
+    #[default]
+    Pool,
+    /// `LISTEN` on a connection of its own opened with these options: a direct connection
+    /// to PostgreSQL when the pool goes through PgBouncer in transaction mode, where a
+    /// `LISTEN` is lost as soon as its statement ends (the server connection goes back to
+    /// PgBouncer's pool).
+    Direct(Box<PgConnectOptions>),
+    /// No `LISTEN` and no connection for it: the worker finds new tasks by polling every
+    /// [`poll_interval`](WorkerBuilder::poll_interval), and at once after each claim or
+    /// acknowledgement that fired a stage (those claim the next stage themselves).
+    Off,
 }
 
 /// Default [`WorkerBuilder::local_queue`]: claimed tasks waiting ahead of the handlers.
@@ -127,6 +149,7 @@ impl WorkerBuilder {
                 grace: Duration::from_secs(10),
                 partial: false,
                 inline_block_input: crate::outputs::DEFAULT_INLINE_BLOCK_INPUT,
+                notifications: Notifications::Pool,
             },
         }
     }
@@ -226,6 +249,15 @@ impl WorkerBuilder {
     /// notifications.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
+        self
+    }
+
+    /// How the worker hears of new tasks between polls (default [`Notifications::Pool`]:
+    /// `LISTEN` on one more connection, opened like the pool's). Behind PgBouncer in
+    /// transaction mode, give a direct connection ([`Notifications::Direct`]) or poll only
+    /// ([`Notifications::Off`]); see the README's PgBouncer section.
+    pub fn notifications(mut self, notifications: Notifications) -> Self {
+        self.settings.notifications = notifications;
         self
     }
 

@@ -56,7 +56,7 @@ impl TestDb {
             .expect("CONFLUO_TEST_ISOLATION: an isolation level, e.g. serializable");
         }
         conn.close().await.ok();
-        let mut options = admin.clone().database(&name);
+        let mut options = client_options(&admin, &name);
         if std::env::var_os("CONFLUO_TEST_ISOLATION").is_some() {
             options = confluo::read_committed(options);
         }
@@ -104,9 +104,19 @@ impl TestDb {
         self.options.clone()
     }
 
+    /// Options that reach this database directly, never through `CONFLUO_TEST_PGBOUNCER`.
+    pub fn direct_options(&self) -> PgConnectOptions {
+        self.admin.clone().database(&self.name)
+    }
+
+    /// Whether this run reaches the databases through PgBouncer (`CONFLUO_TEST_PGBOUNCER`).
+    pub fn through_pgbouncer() -> bool {
+        pgbouncer().is_some()
+    }
+
     /// The database's connect options, never pinned to an isolation level.
     pub fn unpinned_options(&self) -> PgConnectOptions {
-        self.admin.clone().database(&self.name)
+        client_options(&self.admin, &self.name)
     }
 }
 
@@ -135,6 +145,55 @@ impl Drop for TestDb {
         })
         .join();
     }
+}
+
+/// How tests reach a database: directly, or with `CONFLUO_TEST_PGBOUNCER` (the URL of a
+/// PgBouncer in transaction mode in front of the server of `DATABASE_URL`, e.g.
+/// `postgres://postgres@127.0.0.1:6432/postgres`) through it, without named prepared
+/// statements, as the README says a service behind PgBouncer connects. Databases are
+/// created and dropped over the direct connection either way.
+fn client_options(admin: &PgConnectOptions, database: &str) -> PgConnectOptions {
+    match pgbouncer() {
+        Some(bouncer) => bouncer.clone().database(database),
+        None => admin.clone().database(database),
+    }
+}
+
+/// The PgBouncer of `CONFLUO_TEST_PGBOUNCER`, checked once to be one (its admin console
+/// answers `SHOW VERSION`), so that a run meant to go through it cannot go around it.
+fn pgbouncer() -> Option<&'static PgConnectOptions> {
+    static BOUNCER: OnceLock<Option<PgConnectOptions>> = OnceLock::new();
+    BOUNCER
+        .get_or_init(|| {
+            let url = std::env::var("CONFLUO_TEST_PGBOUNCER").ok()?;
+            let options = PgConnectOptions::from_str(&url)
+                .expect("CONFLUO_TEST_PGBOUNCER is not a valid PostgreSQL URL")
+                .statement_cache_capacity(0);
+            let console = options.clone().database("pgbouncer");
+            let version = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async move {
+                    let mut conn = console.connect().await?;
+                    // The admin console speaks the simple query protocol only.
+                    let rows = sqlx::raw_sql("SHOW VERSION").fetch_all(&mut conn).await?;
+                    conn.close().await.ok();
+                    Ok::<_, sqlx::Error>(rows.len())
+                })
+            })
+            .join()
+            .expect("the PgBouncer check panicked");
+            match version {
+                Ok(rows) if rows > 0 => Some(options),
+                other => panic!(
+                    "CONFLUO_TEST_PGBOUNCER={url}: no PgBouncer admin console answers there \
+                     ({other:?}); start one (see .ci/run) or unset it"
+                ),
+            }
+        })
+        .as_ref()
 }
 
 /// Connections a test may open besides its pool: other pools (`new_pool`, "separate
