@@ -86,3 +86,44 @@ fn small_in_process_stress_run_on_the_striped_countdown_acknowledging_singly() {
     assert!(ok, "{out}");
     assert!(out.contains("PASSED: every invariant holds"), "{out}");
 }
+
+/// Many worker processes on small pools and no listener: the budget of connections a
+/// fleet needs is its pools, and the run keeps every invariant.
+#[test]
+fn many_worker_processes_on_pools_of_two_without_listeners_keep_every_invariant() {
+    let (ok, out) = stress(
+        &[
+            "--executions",
+            "16",
+            "--width",
+            "100",
+            "--processes",
+            "8",
+            "--worker-connections",
+            "2",
+            "--no-listen",
+            "--all-faults",
+            "--kill-worker-every-ms",
+            "1000",
+            "--lease-ms",
+            "1500",
+            "--timeout",
+            "300",
+        ],
+        "confluo_stress_test_fleet",
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("PASSED: every invariant holds"), "{out}");
+    let peak: u64 = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("server connections, peak"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no peak of connections in the summary:\n{out}"));
+    // 8 pools of 2, the harness's pools (6 + the rogue clients' 2 + 2 + 2 + 2), the
+    // sampling connection among them: never a listener per worker on top.
+    assert!(
+        peak > 0 && peak <= 16 + 20,
+        "peak {peak} connections:\n{out}"
+    );
+}

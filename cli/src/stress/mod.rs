@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use confluo::{Engine, FanInStrategy, WorkerBuilder};
+use confluo::{Engine, FanInStrategy, Notifications, WorkerBuilder};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -79,6 +79,13 @@ pub struct Args {
     /// its own); the library's default when not given.
     #[arg(long)]
     ack_window_ms: Option<u64>,
+    /// Connections in each worker's pool.
+    #[arg(long, default_value_t = 4)]
+    worker_connections: u32,
+    /// Workers open no `LISTEN` connection (`Notifications::Off`): each uses its pool
+    /// only, and polls every 500 ms.
+    #[arg(long)]
+    no_listen: bool,
 }
 
 /// A worker process of a stress run.
@@ -96,16 +103,28 @@ struct WorkerConfig {
     seed: u64,
     lease_ms: u64,
     ack_window_ms: Option<u64>,
+    worker_connections: u32,
+    no_listen: bool,
 }
 
 /// The stress runs' worker: 16 handlers, a short lease, the acknowledgement window asked
-/// for.
-fn worker_builder(pool: PgPool, lease: Duration, ack_window_ms: Option<u64>) -> WorkerBuilder {
+/// for, listening for new tasks unless `no_listen`.
+fn worker_builder(
+    pool: PgPool,
+    lease: Duration,
+    ack_window_ms: Option<u64>,
+    no_listen: bool,
+) -> WorkerBuilder {
     let builder = Engine::new(pool)
         .worker()
         .concurrency(16)
         .lease(lease)
-        .poll_interval(Duration::from_millis(500));
+        .poll_interval(Duration::from_millis(500))
+        .notifications(if no_listen {
+            Notifications::Off
+        } else {
+            Notifications::Pool
+        });
     match ack_window_ms {
         Some(ms) => builder.ack_window(Duration::from_millis(ms)),
         None => builder,
@@ -212,6 +231,8 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
             seed: args.seed,
             lease_ms: args.lease_ms,
             ack_window_ms: args.ack_window_ms,
+            worker_connections: args.worker_connections,
+            no_listen: args.no_listen,
         })?;
         // The URL (password included) goes through the environment: a command line is
         // visible to every local user in `ps`.
@@ -222,12 +243,12 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
         )?);
     } else {
         for _ in 0..args.workers {
-            let worker_pool = pool(&options, 4, WORKER_APPLICATION).await?;
+            let worker_pool = pool(&options, args.worker_connections, WORKER_APPLICATION).await?;
             let worker_ctx = Context {
                 pool: worker_pool.clone(),
                 ..ctx.clone()
             };
-            let builder = worker_builder(worker_pool, lease, args.ack_window_ms);
+            let builder = worker_builder(worker_pool, lease, args.ack_window_ms, args.no_listen);
             in_process.push(worker_ctx.install(builder).start().await?);
         }
     }
@@ -310,13 +331,17 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
     let mut next_kill = Instant::now() + Duration::from_millis(args.kill_worker_every_ms.max(1));
     let mut kills = 0usize;
     let mut crashes = Vec::new();
+    let mut peak = 0i64;
     loop {
-        let (terminal, open): (i64, i64) = sqlx::query_as(
+        let (terminal, open, connections): (i64, i64, i64) = sqlx::query_as(
             "SELECT (SELECT count(*) FROM confluo.execution WHERE status <> 'running'),
-                    (SELECT count(*) FROM confluo.task WHERE status IN ('pending', 'running'))",
+                    (SELECT count(*) FROM confluo.task WHERE status IN ('pending', 'running')),
+                    (SELECT count(*) FROM pg_stat_activity
+                      WHERE backend_type = 'client backend' AND datname = current_database())",
         )
         .fetch_one(&main)
         .await?;
+        peak = peak.max(connections);
         bar.set_position(terminal as u64);
         bar.set_message(format!("{open} tasks open"));
         if (terminal as usize >= args.executions && open == 0) || Instant::now() > deadline {
@@ -353,6 +378,13 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
     let mut violations: Vec<String> = seen.violations.lock().unwrap().clone();
     violations.extend(crashes);
     print!("{}", summary(&main, &args, elapsed, &seen).await?);
+    let max_connections: String = sqlx::query_scalar("SHOW max_connections")
+        .fetch_one(&main)
+        .await?;
+    println!(
+        "  {:<28} {peak} to this database, of max_connections {max_connections} (sampled every 250 ms)",
+        "server connections, peak"
+    );
     println!("\ninvariants:");
     for c in &checks {
         println!(
@@ -461,7 +493,7 @@ pub async fn worker_process(
     let config: WorkerConfig = serde_json::from_str(&args.config)?;
     handlers::silence_injected_panics();
     let options = options.database(&config.database);
-    let worker_pool = pool(&options, 4, WORKER_APPLICATION).await?;
+    let worker_pool = pool(&options, config.worker_connections, WORKER_APPLICATION).await?;
     let ctx = Context {
         pool: worker_pool.clone(),
         faults: config.faults,
@@ -471,6 +503,7 @@ pub async fn worker_process(
         worker_pool,
         Duration::from_millis(config.lease_ms),
         config.ack_window_ms,
+        config.no_listen,
     );
     let worker = ctx.install(builder).start().await?;
     tokio::signal::ctrl_c().await?;
