@@ -2,16 +2,17 @@
 //! path? (Issue 15: "claims stay flat with 10 million finished task rows".)
 //!
 //! ```sh
-//! cargo bench --bench retention                       # 10 million finished rows, ~15 min
+//! cargo bench --bench retention                       # 10 million finished rows, ~20 min
 //! cargo bench --bench retention -- --finished 1000000 # about 2 minutes
 //! ```
 //!
 //! Three states of one database, measured one after the other in one run:
 //! 1. **empty**: no finished task (after a first round that warms caches up, not shown);
-//! 2. **finished, not vacuumed**: `--finished` tasks inserted pending and then completed
-//!    by bulk `UPDATE`s, as a busy installation's history looks before autovacuum has
-//!    reached it (every completed row left a dead version, and dead entries in the
-//!    indexes of pending tasks that claims walk);
+//! 2. **finished, not vacuumed by hand**: `--finished` tasks inserted pending and then
+//!    completed by bulk `UPDATE`s, with autovacuum at the server's settings meanwhile, as
+//!    a busy installation's history looks (each completion leaves a dead version, and dead
+//!    entries in the indexes of pending tasks that claims walk, until a vacuum reaches
+//!    them); the table's live and dead row versions are printed;
 //! 3. **finished, vacuumed**: the same after `VACUUM (ANALYZE)`.
 //!
 //! In each: 20 000 pending tasks of one map; the p50 and p90 of `Engine::claim` of 512 over
@@ -88,7 +89,7 @@ async fn run(finished: i64) -> anyhow::Result<()> {
         filling.elapsed().as_secs_f64()
     );
     rows.push((
-        format!("{finished} finished, not vacuumed"),
+        format!("{finished} finished, not vacuumed by hand"),
         measure(&engine).await?,
     ));
     let vacuuming = Instant::now();
@@ -102,11 +103,13 @@ async fn run(finished: i64) -> anyhow::Result<()> {
     ));
 
     let base = rows[0].1;
-    println!("\n| task table | claim of {CLAIM}, p50 ms | p90 ms | ratio (p50) | drain of {PENDING}, tasks/s | ratio |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("\n| task table | live / dead row versions | claim of {CLAIM}, p50 ms | p90 ms | ratio (p50) | drain of {PENDING}, tasks/s | ratio |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for (name, m) in &rows {
         println!(
-            "| {name} | {:.2} | {:.2} | {:.2}x | {:.0} | {:.2}x |",
+            "| {name} | {} / {} | {:.2} | {:.2} | {:.2}x | {:.0} | {:.2}x |",
+            m.live,
+            m.dead,
             m.claim_p50,
             m.claim_p90,
             m.claim_p50 / base.claim_p50,
@@ -120,14 +123,24 @@ async fn run(finished: i64) -> anyhow::Result<()> {
 
 #[derive(Clone, Copy)]
 struct Measured {
+    /// Dead and live row versions of the task table when the measurement began.
+    dead: i64,
+    live: i64,
     claim_p50: f64,
     claim_p90: f64,
     drain: f64,
 }
 
 async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
-    // Claims alone: a map of PENDING, claimed CLAIM at a time until none is left; the
-    // claimed tasks are then given back to nobody (their execution is cancelled).
+    let (dead, live): (i64, i64) = sqlx::query_as(
+        "SELECT n_dead_tup, n_live_tup FROM pg_stat_user_tables
+          WHERE schemaname = 'confluo' AND relname = 'task'",
+    )
+    .fetch_one(engine.pool())
+    .await?;
+    // Claims alone: a map of PENDING, claimed CLAIM at a time until none is left; then
+    // its execution is cancelled and the claimed tasks ended, so that no lease of theirs
+    // expires into a later measurement.
     let claimed_map = engine
         .start("map", &(0..PENDING).collect::<Vec<_>>())
         .await?;
@@ -143,6 +156,13 @@ async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
         times.push(started.elapsed().as_secs_f64() * 1000.0);
     }
     engine.cancel(claimed_map).await?;
+    sqlx::query(
+        "UPDATE confluo.task SET status = 'cancelled', lease_expires_at = NULL, finished_at = now()
+          WHERE execution_id = $1 AND status = 'running'",
+    )
+    .bind(claimed_map)
+    .execute(engine.pool())
+    .await?;
     times.sort_by(f64::total_cmp);
     let pick = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
 
@@ -170,6 +190,8 @@ async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
         "the drain ran too few"
     );
     Ok(Measured {
+        dead,
+        live,
         claim_p50: pick(0.5),
         claim_p90: pick(0.9),
         drain,

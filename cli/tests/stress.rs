@@ -120,10 +120,8 @@ fn many_worker_processes_on_pools_of_two_without_listeners_keep_every_invariant(
         .and_then(|l| l.split_whitespace().nth(3))
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no peak of connections in the summary:\n{out}"));
-    // 8 pools of 2, the harness's pools (6 + the rogue clients' 2 + 2 + 2 + 2), the
-    // sampling connection among them: never a listener per worker on top.
-    assert!(
-        peak > 0 && peak <= 16 + 20,
-        "peak {peak} connections:\n{out}"
-    );
+    // 8 pools of 2 (16), the harness's own pool of 6 (the sampling connection among
+    // them), the replaying, zombie and cancelling clients' pools of 2: 28 at most. One
+    // listener per worker would make it 36.
+    assert!(peak > 0 && peak <= 30, "peak {peak} connections:\n{out}");
 }

@@ -1,8 +1,10 @@
-//! The fan-in, in one place: every statement that writes a member's terminal status and
-//! moves its group's counter, the one counter fragment they share, the decision taken
-//! from what they return ([`decide`], [`last_arrivals`]: the re-count of the baseline
-//! strategies included), and the fired marker. What a firing does next (enter the next
-//! stage, or complete the execution) is `dispatch`'s.
+//! The fan-in, in one place: the statements by which a member's attempt ends (completed,
+//! failed, cancelled) and moves its group's counter, the one counter fragment that every
+//! statement moving a counter uses (also an execution's stop and a reprocess, in their
+//! own modules), the decision taken from what they return ([`decide`],
+//! [`last_arrivals`]: the re-count of the baseline strategies included), and the fired
+//! marker. What a firing does next (enter the next stage, or complete the execution) is
+//! `dispatch`'s.
 //!
 //! # The guard
 //! Every transition out of `running` matches the attempt's task only while it is
@@ -76,7 +78,8 @@ pub(crate) enum Count {
 /// count can deadlock. Groups of re-counting strategies are not touched.
 ///
 /// Two CTEs are for the statement's own use: `c_members` (the source's rows, each with
-/// its group's `fan_in` and `stripe`) and `c_groups` (`id, remaining` of every group
+/// its group's `fan_in` and `stripe`; so the source must not have columns of those
+/// names) and `c_groups` (`id, remaining` of every group
 /// row it moved: a countdown group, or a striped group whose stripes drained or
 /// refilled).
 pub(crate) fn counters_sql(source: &str, count: Count) -> String {

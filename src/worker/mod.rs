@@ -92,8 +92,11 @@ pub enum Notifications {
     /// PgBouncer's pool).
     Direct(Box<PgConnectOptions>),
     /// No `LISTEN` and no connection for it: the worker finds new tasks by polling every
-    /// [`poll_interval`](WorkerBuilder::poll_interval), and at once after each claim or
-    /// acknowledgement that fired a stage (those claim the next stage themselves).
+    /// [`poll_interval`](WorkerBuilder::poll_interval), and claims again at once after a
+    /// claim that filled its room. A batch of completions that fires a stage still claims
+    /// that stage's members in its own transaction; anything else new (a started
+    /// execution, a retry coming due, a stage fired by another worker or by a dead
+    /// letter) waits for the next poll.
     Off,
 }
 
