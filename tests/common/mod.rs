@@ -39,6 +39,8 @@ impl TestDb {
         let share = connection_share(&admin, max_connections).await;
         let template = ensure_template(&admin).await;
         let name = format!("confluo_t_{}", uuid::Uuid::new_v4().simple());
+        // Before the database exists: a bad CONFLUO_TEST_PGBOUNCER leaves nothing behind.
+        let mut options = client_options(&admin, &name);
         let mut conn = admin
             .connect()
             .await
@@ -56,7 +58,6 @@ impl TestDb {
             .expect("CONFLUO_TEST_ISOLATION: an isolation level, e.g. serializable");
         }
         conn.close().await.ok();
-        let mut options = client_options(&admin, &name);
         if std::env::var_os("CONFLUO_TEST_ISOLATION").is_some() {
             options = confluo::read_committed(options);
         }
@@ -126,25 +127,37 @@ impl Drop for TestDb {
         let name = self.name.clone();
         let pool = self.pool.clone();
         // Drop runs inside the test's runtime; do the async clean-up on a thread of its own.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                // A connection being returned to the pool is pinged by a task of the
-                // test's runtime, which this drop blocks (a current-thread runtime has no
-                // other thread): do not wait for it; FORCE below ends it anyway.
-                let _ = tokio::time::timeout(Duration::from_millis(500), pool.close()).await;
-                if let Ok(mut conn) = admin.connect().await {
-                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                        .execute(&mut conn)
-                        .await;
-                }
-            });
-        })
-        .join();
+        let _ = on_own_thread(move || async move {
+            // A connection being returned to the pool is pinged by a task of the test's
+            // runtime, which this drop blocks (a current-thread runtime has no other
+            // thread): do not wait for it; FORCE below ends it anyway.
+            let _ = tokio::time::timeout(Duration::from_millis(500), pool.close()).await;
+            if let Ok(mut conn) = admin.connect().await {
+                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .execute(&mut conn)
+                    .await;
+            }
+        });
     }
+}
+
+/// Runs the future `task` makes to its end on a current-thread runtime of a thread of its
+/// own, for synchronous code that may itself run on a test's runtime (a drop, a
+/// `OnceLock`'s initializer). `Err` if it panicked.
+fn on_own_thread<T, F, Fut>(task: F) -> std::thread::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+{
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(task())
+    })
+    .join()
 }
 
 /// How tests reach a database: directly, or with `CONFLUO_TEST_PGBOUNCER` (the URL of a
@@ -170,20 +183,13 @@ fn pgbouncer() -> Option<&'static PgConnectOptions> {
                 .expect("CONFLUO_TEST_PGBOUNCER is not a valid PostgreSQL URL")
                 .statement_cache_capacity(0);
             let console = options.clone().database("pgbouncer");
-            let version = std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("runtime");
-                rt.block_on(async move {
-                    let mut conn = console.connect().await?;
-                    // The admin console speaks the simple query protocol only.
-                    let rows = sqlx::raw_sql("SHOW VERSION").fetch_all(&mut conn).await?;
-                    conn.close().await.ok();
-                    Ok::<_, sqlx::Error>(rows.len())
-                })
+            let version = on_own_thread(move || async move {
+                let mut conn = console.connect().await?;
+                // The admin console speaks the simple query protocol only.
+                let rows = sqlx::raw_sql("SHOW VERSION").fetch_all(&mut conn).await?;
+                conn.close().await.ok();
+                Ok::<_, sqlx::Error>(rows.len())
             })
-            .join()
             .expect("the PgBouncer check panicked");
             match version {
                 Ok(rows) if rows > 0 => Some(options),
