@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::types::Json;
+use sqlx::Connection;
 
 use crate::claimed::{beyond_stages, ClaimedTask};
 use crate::definition::StageKind;
@@ -115,23 +116,56 @@ impl Engine {
         self.readable(rows).await
     }
 
-    /// The plan PostgreSQL chooses for a worker's claim statement over these `(workflow,
-    /// handler)` pairs, as `EXPLAIN` prints it: a diagnostic for a claim that seems slow.
-    /// It reads one index range per handler (`task_claim_handler_idx`) whatever the
-    /// table's statistics, so it should never show a sort of the whole backlog.
+    /// The plans PostgreSQL chooses for a worker's claim statement over these `(workflow,
+    /// handler)` pairs, as `EXPLAIN` prints them: the custom plan of a statement's first
+    /// runs, then the generic plan a prepared statement switches to (labelled `custom
+    /// plan:` and `generic plan:`). A diagnostic for a claim that seems slow: both read
+    /// one index range per handler (`task_claim_handler_idx`) whatever the table's
+    /// statistics, so neither should show a sort of the whole backlog.
     ///
     /// # Errors
     /// [`Error::Database`].
     ///
     /// # Cancel safety
-    /// Reads only: dropping it changes nothing.
+    /// Explains only, on a connection of its own that it closes: dropping it changes
+    /// nothing.
     pub async fn claim_plan(&self, handlers: &[(&str, &str)], limit: usize) -> Result<String> {
         let keys = HandlerKeys {
             workflows: handlers.iter().map(|(w, _)| (*w).to_owned()).collect(),
             handlers: handlers.iter().map(|(_, h)| (*h).to_owned()).collect(),
         };
-        let mut conn = self.pool().acquire().await?;
-        tasks::explain_claim(&mut conn, limit as i64, &keys).await
+        let mut conn = self.explain_connection().await?;
+        let plans = tasks::explain_claim(&mut conn, limit as i64, &keys).await;
+        let _ = conn.close().await;
+        Ok(plans?.to_string())
+    }
+
+    /// The plans PostgreSQL chooses for a worker's acknowledgement of `batch` completed
+    /// attempts, as [`claim_plan`](Self::claim_plan) prints them: first the statement
+    /// that completes a batch holding no group's last arrival, then the one that can fire.
+    /// Each must look every attempt up by its primary key (`task_pkey`), whatever the
+    /// statistics: a plan that scans the running tasks for each attempt makes a batch
+    /// cost its size times the running tasks.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    ///
+    /// # Cancel safety
+    /// As [`claim_plan`](Self::claim_plan).
+    pub async fn completion_plan(&self, batch: usize) -> Result<String> {
+        let mut conn = self.explain_connection().await?;
+        let plans = fan_in::explain_completions(&mut conn, batch.max(1)).await;
+        let _ = conn.close().await;
+        let (unless_last, many) = plans?;
+        Ok(format!(
+            "-- a batch that holds no last arrival\n{unless_last}\n\n\
+             -- a batch that may fire\n{many}"
+        ))
+    }
+
+    /// A connection of its own for a diagnostic that prepares a statement.
+    async fn explain_connection(&self) -> Result<sqlx::PgConnection> {
+        Ok(sqlx::PgConnection::connect_with(&self.pool().connect_options()).await?)
     }
 
     /// Extends the leases of attempts held in a worker's local queue, and of those it

@@ -42,33 +42,123 @@ async fn the_claim_is_an_index_scan_on_a_fresh_unanalyzed_table() {
     assert_eq!(analyzed, None, "the table must not have statistics");
 
     let handlers = [("wide", "item"), ("other", "one"), ("wide", "after")];
-    let custom = db.engine.claim_plan(&handlers, 256).await.unwrap();
-    println!("custom plan:\n{custom}");
-    assert_index_plan(&custom);
+    let plans = db.engine.claim_plan(&handlers, 256).await.unwrap();
+    println!("{plans}");
+    let (custom, generic) = custom_and_generic(&plans, "k", handlers.len());
+    assert_index_plan(custom);
+    assert_index_plan(generic);
+}
 
-    sqlx::query(&format!(
-        "ALTER DATABASE {} SET plan_cache_mode = force_generic_plan",
-        db.name
-    ))
+/// The two plans [`Engine::claim_plan`] and [`Engine::completion_plan`] print for a
+/// statement, custom first, told apart by the planner's estimate of the array parameter
+/// that `unnest` reads as `alias`: its length in the custom plan, PostgreSQL's guess of 10
+/// in the generic one.
+fn custom_and_generic<'a>(plans: &'a str, alias: &str, length: usize) -> (&'a str, &'a str) {
+    let custom = plans.split_once("custom plan:\n").expect("a custom plan").1;
+    let (custom, generic) = custom
+        .split_once("generic plan:\n")
+        .expect("a generic plan");
+    assert_eq!(
+        unnest_estimate(custom, alias),
+        length,
+        "custom plan:\n{custom}"
+    );
+    assert_eq!(
+        unnest_estimate(generic, alias),
+        10,
+        "generic plan:\n{generic}"
+    );
+    (custom, generic)
+}
+
+/// The rows the planner expects from `Function Scan on <alias>`.
+fn unnest_estimate(plan: &str, alias: &str) -> usize {
+    let line = plan
+        .lines()
+        .find(|l| l.contains(&format!("Function Scan on {alias} ")))
+        .unwrap_or_else(|| panic!("no scan of {alias}:\n{plan}"));
+    let rows = line.split("rows=").nth(1).expect("an estimate");
+    rows.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// Acknowledgements look each attempt up by primary key, whatever the statistics say:
+/// here the task table was analyzed while none of its tasks ran, so the planner believes
+/// that none runs. (On that table, the first form of the completion statements walked
+/// every running task for each attempt of a batch: a batch of 512 compared 300 000 rows.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledgements_look_attempts_up_by_key_whatever_the_statistics() {
+    let db = TestDb::new(4).await;
+    sqlx::query("ALTER TABLE confluo.task SET (autovacuum_enabled = false)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    db.register(&Workflow::new("wide", 1).map("item")).await;
+    let items: Vec<u32> = (0..20_000).collect();
+    db.engine.start("wide", &items).await.unwrap();
+    // The table as a worker finds it near the end of a wide map: most members finished,
+    // statistics from a moment when none ran, and then 600 running.
+    sqlx::query("UPDATE confluo.task SET status = 'completed', finished_at = now() WHERE item_index < 19000")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("ANALYZE confluo.task")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE confluo.task SET status = 'running', lease_token = gen_random_uuid(),
+                lease_expires_at = now() + interval '1 minute'
+          WHERE status = 'pending' AND item_index < 19600",
+    )
     .execute(&db.pool)
     .await
     .unwrap();
-    let generic_pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(db.options())
-        .await
-        .unwrap();
-    let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
-        .fetch_one(&generic_pool)
-        .await
-        .unwrap();
-    assert_eq!(mode, "force_generic_plan");
-    let generic = Engine::new(generic_pool)
-        .claim_plan(&handlers, 256)
-        .await
-        .unwrap();
-    println!("generic plan:\n{generic}");
-    assert_index_plan(&generic);
+
+    for batch in [1, 3, 512] {
+        let plans = db.engine.completion_plan(batch).await.unwrap();
+        println!("batch of {batch}:\n{plans}");
+        let (unless_last, may_fire) = plans
+            .split_once("-- a batch that may fire")
+            .expect("both statements");
+        for statement in [unless_last, may_fire] {
+            let (custom, generic) = custom_and_generic(statement, "u", batch);
+            assert_lookups_by_key(custom, batch);
+            assert_lookups_by_key(generic, batch);
+        }
+    }
+}
+
+/// Every read of the task table in a completion plan is a lookup by primary key (the
+/// lateral probe per attempt, then the write of the rows it locked), never a scan joined
+/// against the batch.
+fn assert_lookups_by_key(plan: &str, batch: usize) {
+    assert!(
+        plan.contains("Index Scan using task_pkey on task y"),
+        "batch of {batch}: each attempt must be probed through task_pkey:\n{plan}"
+    );
+    let lines: Vec<&str> = plan.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if !line.contains(" on task ") || line.contains("Update on task") {
+            continue;
+        }
+        // A bitmap heap scan reads what the bitmap index scan under it found.
+        let by_key = line.contains("using task_pkey")
+            || (line.contains("Bitmap Heap Scan")
+                && lines[i + 1..]
+                    .iter()
+                    .find(|l| l.contains("Bitmap Index Scan"))
+                    .is_some_and(|l| l.contains("on task_pkey")));
+        assert!(
+            by_key,
+            "batch of {batch}: a read of the task table other than by key: {line}\n{plan}"
+        );
+    }
+    assert!(
+        !plan
+            .lines()
+            .any(|l| l.contains("Join Filter") && l.contains("lease_token")),
+        "batch of {batch}: attempts matched by a join filter:\n{plan}"
+    );
 }
 
 /// The part of the plan that picks the tasks (the `picked` CTE) walks the handler index,

@@ -36,6 +36,7 @@ use sqlx::types::Json;
 use sqlx::{FromRow, PgConnection};
 
 use super::locks;
+use super::plans::{self, Plans};
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
@@ -60,6 +61,55 @@ macro_rules! held {
     };
 }
 pub(crate) use held;
+
+/// The items of a batch whose attempts still hold their leases, as the body of a CTE:
+/// `$items` is the batch, a relation with at least `id` and `token` columns (`unnest(...)
+/// AS u(id, token, ...)`). Each item is looked up on its own, through the primary key, and
+/// its task row locked (`FOR NO KEY UPDATE`, then `$lock`: `""` or `" SKIP LOCKED"`), in
+/// id order. The rows are the item's columns and `$columns` of its task row `y`.
+///
+/// Why a lookup per item rather than a join of the batch with the task table: the planner
+/// knows neither the batch's size (a generic plan guesses 10 rows) nor, on a table last
+/// analyzed when nothing ran, how many tasks run. A joined form was planned as a nested
+/// loop over every running task for each item (`Join Filter`), quadratic in the batch.
+/// A lateral lookup can only be driven by the batch, one primary-key probe per item.
+/// Statements then write the rows through [`by_id!`].
+macro_rules! held_rows {
+    ($items:literal, $columns:literal, $lock:literal) => {
+        concat!(
+            "SELECT i.*, x.* FROM (SELECT * FROM ",
+            $items,
+            " ORDER BY id) i
+              CROSS JOIN LATERAL (SELECT ",
+            $columns,
+            " FROM confluo.task y WHERE ",
+            held!("y", "i.id", "i.token"),
+            " FOR NO KEY UPDATE",
+            $lock,
+            ") x"
+        )
+    };
+}
+pub(crate) use held_rows;
+
+/// The task rows `$task` of the CTE `$rows` (made by [`held_rows!`]), as a `WHERE` clause of
+/// the statement that writes them: an index condition on the primary key (the rows are
+/// already locked, so this finds them whatever the statistics say), and the join.
+macro_rules! by_id {
+    ($task:literal, $rows:literal) => {
+        concat!(
+            $task,
+            ".id = ANY (ARRAY(SELECT id FROM ",
+            $rows,
+            ")) AND ",
+            $task,
+            ".id = ",
+            $rows,
+            ".id"
+        )
+    };
+}
+pub(crate) use by_id;
 
 /// Which way [`counters_sql`] moves the counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,26 +197,35 @@ pub(crate) async fn complete_many(
     tokens: &[LeaseToken],
     outputs: &[Json<&Value>],
 ) -> Result<Vec<CompletedRow>> {
-    let sql = format!(
-        "WITH done AS (
-            UPDATE confluo.task t
-               SET status = 'completed', output = i.output, finished_at = now(),
-                   lease_expires_at = NULL
-              FROM unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
-             WHERE {}
-         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index
-         ) {}
-         SELECT m.id, m.group_id, m.execution_id, m.stage_index, m.fan_in, c.remaining
-           FROM c_members m LEFT JOIN c_groups c ON c.id = m.group_id",
-        held!("t", "i.id", "i.token"),
-        counters_sql("done", Count::Down)
-    );
-    Ok(sqlx::query_as(&sql)
+    Ok(sqlx::query_as(&complete_many_sql())
         .bind(ids)
         .bind(tokens)
         .bind(outputs)
         .fetch_all(conn)
         .await?)
+}
+
+fn complete_many_sql() -> String {
+    format!(
+        "WITH held AS ({}
+         ), done AS (
+            UPDATE confluo.task t
+               SET status = 'completed', output = held.output, finished_at = now(),
+                   lease_expires_at = NULL
+              FROM held
+             WHERE {}
+         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index
+         ) {}
+         SELECT m.id, m.group_id, m.execution_id, m.stage_index, m.fan_in, c.remaining
+           FROM c_members m LEFT JOIN c_groups c ON c.id = m.group_id",
+        held_rows!(
+            "unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS u(id, token, output)",
+            "y.execution_id",
+            ""
+        ),
+        by_id!("t", "held"),
+        counters_sql("done", Count::Down)
+    )
 }
 
 /// [`complete_many`] in one statement meant to run on its own, outside any transaction,
@@ -182,16 +241,22 @@ pub(crate) async fn complete_many_unless_last(
     tokens: &[LeaseToken],
     outputs: &[Json<&Value>],
 ) -> Result<bool> {
-    Ok(sqlx::query_scalar(concat!(
-        "WITH t AS (
-            SELECT x.id, x.group_id, x.item_index, i.output
-              FROM confluo.task x
-              JOIN unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS i(id, token, output)
-                ON ",
-        held!("x", "i.id", "i.token"),
-        "
-             ORDER BY x.id
-               FOR NO KEY UPDATE OF x
+    Ok(sqlx::query_scalar(COMPLETE_MANY_UNLESS_LAST)
+        .bind(ids)
+        .bind(tokens)
+        .bind(outputs)
+        .fetch_one(conn)
+        .await?)
+}
+
+const COMPLETE_MANY_UNLESS_LAST: &str = concat!(
+    "WITH t AS (",
+    held_rows!(
+        "unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS u(id, token, output)",
+        "y.group_id, y.item_index",
+        ""
+    ),
+    "
          ), arrived AS (
             SELECT t.*, g.fan_in,
                    CASE WHEN g.fan_in = 'striped'
@@ -231,15 +296,28 @@ pub(crate) async fn complete_many_unless_last(
                SET status = 'completed', output = t.output, finished_at = now(),
                    lease_expires_at = NULL
               FROM t, go
-             WHERE go.ok AND x.id = t.id
+             WHERE go.ok AND ",
+    by_id!("x", "t"),
+    "
          )
          SELECT ok FROM go"
-    ))
-    .bind(ids)
-    .bind(tokens)
-    .bind(outputs)
-    .fetch_one(conn)
-    .await?)
+);
+
+/// The plans of both completion statements ([`complete_many_unless_last`], then
+/// [`complete_many`]) for a batch of `batch` attempts (that hold no lease: the plan does
+/// not depend on it, and nothing is executed).
+pub(crate) async fn explain_completions(
+    conn: &mut PgConnection,
+    batch: usize,
+) -> Result<(Plans, Plans)> {
+    let ids = plans::array((0..batch).map(|_| uuid::Uuid::new_v4()));
+    let tokens = plans::array((0..batch).map(|_| uuid::Uuid::new_v4()));
+    let outputs = plans::array((0..batch).map(|_| "null"));
+    let types = ["uuid[]", "uuid[]", "jsonb[]"];
+    let args = [ids, tokens, outputs];
+    let unless_last = plans::explain(conn, COMPLETE_MANY_UNLESS_LAST, &types, &args).await?;
+    let many = plans::explain(conn, &complete_many_sql(), &types, &args).await?;
+    Ok((unless_last, many))
 }
 
 /// The result of recording a failed attempt.

@@ -26,6 +26,7 @@ pub(crate) mod fan_in;
 pub(crate) mod groups;
 pub(crate) mod locks;
 pub(crate) mod outputs;
+pub(crate) mod plans;
 pub(crate) mod tasks;
 pub(crate) mod workflows;
 

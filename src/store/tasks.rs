@@ -13,7 +13,8 @@ use sqlx::{FromRow, PgConnection};
 
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
-use crate::store::fan_in::held;
+use crate::store::fan_in::{by_id, held, held_rows};
+use crate::store::plans::{self, Plans};
 
 /// A task as handed to a worker by a claim.
 #[derive(Debug, Clone, FromRow)]
@@ -171,23 +172,26 @@ pub(crate) async fn claim_entered(
         .await?)
 }
 
-/// The plan of the claim statement for `handlers`, as `EXPLAIN` prints it (for tests and
-/// diagnostics: it must be an index scan whatever the statistics).
+/// The plans of the claim statement for `handlers` (for tests and diagnostics: it must
+/// be an index scan whatever the statistics).
 pub(crate) async fn explain_claim(
     conn: &mut PgConnection,
     limit: i64,
     handlers: &HandlerKeys,
-) -> Result<String> {
-    let sql = format!("EXPLAIN {}", claim_sql(PICK_BY_HANDLER, true));
-    let lines: Vec<String> = sqlx::query_scalar(&sql)
-        .bind(limit)
-        .bind(60_000_i64)
-        .bind("explain")
-        .bind(&handlers.workflows)
-        .bind(&handlers.handlers)
-        .fetch_all(conn)
-        .await?;
-    Ok(lines.join("\n"))
+) -> Result<Plans> {
+    plans::explain(
+        conn,
+        &claim_sql(PICK_BY_HANDLER, true),
+        &["int8", "int8", "text", "text[]", "text[]"],
+        &[
+            limit.to_string(),
+            "60000".to_owned(),
+            "explain".to_owned(),
+            plans::array(&handlers.workflows),
+            plans::array(&handlers.handlers),
+        ],
+    )
+    .await
 }
 
 /// Extends a held lease. Returns the execution's status, or `None` if the lease is lost.
@@ -228,20 +232,20 @@ pub(crate) async fn renew_leases(
     lease_ms: i64,
 ) -> Result<Vec<(TaskId, String)>> {
     Ok(sqlx::query_as(concat!(
-        "WITH held AS (
-            SELECT x.id, h.started FROM confluo.task x
-              JOIN unnest($1::uuid[], $2::uuid[], $4::bool[]) AS h(id, token, started)
-                ON ",
-        held!("x", "h.id", "h.token"),
-        "
-             ORDER BY x.id
-               FOR NO KEY UPDATE OF x SKIP LOCKED
-         )
+        "WITH held AS (",
+        held_rows!(
+            "unnest($1::uuid[], $2::uuid[], $4::bool[]) AS u(id, token, started)",
+            "y.execution_id",
+            " SKIP LOCKED"
+        ),
+        ")
          UPDATE confluo.task t
             SET lease_expires_at = now() + $3 * interval '1 millisecond',
                 started = t.started OR held.started
            FROM held
-          WHERE t.id = held.id
+          WHERE ",
+        by_id!("t", "held"),
+        "
       RETURNING t.id, (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id)"
     ))
     .bind(ids)
@@ -281,12 +285,19 @@ pub(crate) async fn release_many(
     tokens: &[LeaseToken],
 ) -> Result<Vec<TaskId>> {
     Ok(sqlx::query_scalar(concat!(
-        "UPDATE confluo.task t
+        "WITH held AS (",
+        held_rows!(
+            "unnest($1::uuid[], $2::uuid[]) AS u(id, token)",
+            "y.execution_id",
+            ""
+        ),
+        ")
+         UPDATE confluo.task t
             SET status = 'pending', attempt = t.attempt - 1, run_at = now(),
                 lease_expires_at = NULL
-           FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+           FROM held
           WHERE ",
-        held!("t", "h.id", "h.token"),
+        by_id!("t", "held"),
         " AND EXISTS (SELECT 1 FROM confluo.execution e
                        WHERE e.id = t.execution_id AND e.status = 'running')
       RETURNING t.id"
@@ -371,12 +382,19 @@ pub(crate) async fn set_aside(
     delay_ms: i64,
 ) -> Result<u64> {
     Ok(sqlx::query(concat!(
-        "UPDATE confluo.task t
+        "WITH held AS (",
+        held_rows!(
+            "unnest($1::uuid[], $2::uuid[]) AS u(id, token)",
+            "y.execution_id",
+            ""
+        ),
+        ")
+         UPDATE confluo.task t
             SET status = 'pending', attempt = t.attempt - 1, lease_expires_at = NULL,
                 run_at = now() + $3 * interval '1 millisecond', started = true
-           FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token)
+           FROM held
           WHERE ",
-        held!("t", "h.id", "h.token")
+        by_id!("t", "held")
     ))
     .bind(ids)
     .bind(tokens)
@@ -399,7 +417,8 @@ pub(crate) async fn queue_depth(conn: &mut PgConnection) -> Result<DepthRow> {
     Ok(sqlx::query_as(
         "SELECT (SELECT count(*) FROM confluo.task WHERE status = 'pending' AND run_at <= now()) AS due,
                 (SELECT count(*) FROM confluo.task WHERE status = 'pending' AND run_at > now()) AS scheduled,
-                (SELECT count(*) FROM confluo.task WHERE status = 'running') AS running",
+                (SELECT count(*) FROM confluo.task
+                  WHERE lease_expires_at IS NOT NULL AND status = 'running') AS running",
     )
     .fetch_one(conn)
     .await?)
