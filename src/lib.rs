@@ -72,6 +72,7 @@ pub mod metrics;
 mod outputs;
 mod queue;
 mod reclaim;
+mod registry;
 mod start;
 mod store;
 mod worker;
@@ -93,6 +94,7 @@ pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 pub use listing::{ExecutionSummary, ListFilter, MemberSummary, QueueDepth};
 pub use outputs::{BlockMember, BlockOutputs, DEFAULT_INLINE_BLOCK_INPUT, MAX_MAP_WIDTH};
 pub use queue::Outcome;
+pub use registry::{WorkerInfo, WorkerState, WORKER_RETENTION};
 pub use start::{StartOptions, Started};
 pub use worker::{Notifications, Worker, WorkerBuilder};
 

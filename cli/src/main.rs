@@ -21,6 +21,7 @@ mod executions;
 use confluo_testkit as server;
 mod stress;
 mod worker;
+mod workers;
 
 use std::time::Duration;
 
@@ -59,6 +60,9 @@ enum Command {
     DeadLetters(dead_letters::Args),
     /// Deletes terminal executions older than a cutoff, in bounded batches.
     Purge(executions::PurgeArgs),
+    /// The worker registry: every worker with its host, pid, handlers, concurrency, what
+    /// it runs and holds, and whether it is alive, lost (no heartbeat) or stopped.
+    Workers(workers::Args),
     /// Finds what should never exist: groups whose counter disagrees with their members,
     /// groups with every member terminal that never fired, running executions with
     /// nothing left to run. Exits 1 when it finds something (and did not repair it).
@@ -179,6 +183,7 @@ impl Command {
             Command::DeadLetters(a) => a.target.database.as_deref(),
             Command::Purge(a) => a.target.database.as_deref(),
             Command::Doctor(a) => a.target.database.as_deref(),
+            Command::Workers(a) => a.target.database.as_deref(),
             _ => None,
         }
     }
@@ -235,6 +240,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Purge(args) => executions::purge(connect(&options, 2).await?, args).await,
         Command::Worker(args) => worker::run(options, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
+        Command::Workers(args) => workers::run(connect(&options, 2).await?, args).await,
         Command::Demo(_) | Command::Stress(_) | Command::Bench(_) => {
             unreachable!("handled above")
         }

@@ -28,6 +28,7 @@ pub(crate) mod locks;
 pub(crate) mod outputs;
 pub(crate) mod plans;
 pub(crate) mod tasks;
+pub(crate) mod workers;
 pub(crate) mod workflows;
 
 /// The schema that holds confluo's tables, and sqlx's migration bookkeeping.

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::time::{sleep, Instant};
 
-use super::{Notifications, State};
+use super::{Notifications, Settings, State};
 use crate::store;
 
 /// Claims into the local queue until shutdown. A refill waits until the worker has room
@@ -134,11 +134,39 @@ async fn renew_waiting(state: &State) {
     }
 }
 
+/// How often a worker's housekeeping runs, and so its heartbeat: every half lease, at
+/// most every 5 s.
+pub(super) fn housekeeping_interval(settings: &Settings) -> Duration {
+    (settings.lease / 2).min(Duration::from_secs(5))
+}
+
+/// Tells the registry what this worker runs and holds; registers again if its row is
+/// gone. Failures are logged: the registry is for people, the tasks do not depend on it.
+async fn heartbeat(state: &State) {
+    let settings = &state.settings;
+    let running = settings.concurrency - state.slots.available_permits();
+    let held = (settings.concurrency + settings.local_queue) - state.room.free();
+    match state
+        .engine
+        .worker_heartbeat(&settings.id, running, held)
+        .await
+    {
+        Ok(true) => {}
+        Ok(false) => {
+            if let Err(error) = state.engine.register_worker(&state.registration()).await {
+                tracing::warn!(%error, "registering the worker again failed");
+            }
+        }
+        Err(error) => tracing::debug!(%error, "the worker's heartbeat failed"),
+    }
+}
+
 /// Reclaims expired leases, times out executions past their deadline and samples the
 /// queue depth, every half lease (at most 5 s apart), until aborted.
 pub(super) async fn housekeeping(state: Arc<State>) {
-    let every = (state.settings.lease / 2).min(Duration::from_secs(5));
+    let every = housekeeping_interval(&state.settings);
     loop {
+        heartbeat(&state).await;
         if let Err(error) = state.engine.reclaim_expired(100).await {
             tracing::warn!(%error, "reclaiming expired leases failed");
         }

@@ -26,6 +26,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::handler::{FnHandler, Handler, TaskContext, TaskError};
 use crate::ids::{LeaseToken, TaskId};
+use crate::registry::Registration;
 use crate::store::tasks::HandlerKeys;
 use crate::store::workflows;
 
@@ -175,7 +176,10 @@ impl WorkerBuilder {
         self
     }
 
-    /// Names this worker in the task rows it claims (default: `worker-<uuid>`).
+    /// Names this worker in the task rows it claims and in the worker registry
+    /// ([`Engine::workers`]; default: `worker-<uuid>`). Ids must be unique among running
+    /// workers: a worker that starts under the id of another takes its registry row over.
+    /// A restarted process may reuse its id.
     pub fn id(mut self, id: impl Into<String>) -> Self {
         self.settings.id = id.into();
         self
@@ -300,8 +304,8 @@ impl WorkerBuilder {
     }
 
     /// Checks that every stage of the latest version of each workflow served has a
-    /// handler (unless [`partial`](Self::partial)), and starts the worker on the current
-    /// tokio runtime.
+    /// handler (unless [`partial`](Self::partial)), registers the worker
+    /// ([`Engine::workers`]), and starts it on the current tokio runtime.
     ///
     /// # Errors
     /// [`Error::MissingHandler`]; [`Error::WorkflowNotFound`] for a workflow that is not
@@ -337,6 +341,8 @@ impl WorkerBuilder {
             keys.workflows.push(workflow.clone());
             keys.handlers.push(handler.clone());
         }
+        let mut served: Vec<(String, String)> = self.handlers.keys().cloned().collect();
+        served.sort();
         let shutdown = CancellationToken::new();
         let settings = self.settings.clone();
         let (acks, ack_queue) = mpsc::unbounded_channel();
@@ -354,8 +360,10 @@ impl WorkerBuilder {
             unreported: Mutex::new(HashMap::new()),
             acks,
             local,
+            served,
             settings,
         });
+        state.engine.register_worker(&state.registration()).await?;
         let handle = tokio::spawn(run(state, local_queue, ack_queue));
         Ok(Worker {
             id: self.settings.id,
@@ -419,9 +427,21 @@ struct State {
     /// The local queue, which the fetchers fill, and the acknowledgers too with the
     /// next stages their batches fired.
     local: mpsc::UnboundedSender<Held>,
+    /// The `(workflow, handler)` pairs served, sorted (for the registry).
+    served: Vec<(String, String)>,
 }
 
 impl State {
+    /// This worker's row in the registry.
+    fn registration(&self) -> Registration<'_> {
+        Registration {
+            id: &self.settings.id,
+            handlers: &self.served,
+            concurrency: self.settings.concurrency,
+            heartbeat: fetch::housekeeping_interval(&self.settings),
+        }
+    }
+
     /// Puts claimed tasks in the local queue (their room was taken by the claimer).
     fn hold(&self, tasks: Vec<ClaimedTask>) {
         {
@@ -567,6 +587,9 @@ async fn run(
         handed.push(held);
     }
     give_back(&state, handed).await;
+    if let Err(error) = state.engine.worker_stopped(&state.settings.id).await {
+        tracing::debug!(%error, "marking the worker stopped in the registry failed");
+    }
 }
 
 /// Gives tasks of the local queue back at shutdown, their attempts uncounted. If the

@@ -57,6 +57,11 @@ impl Room {
         }
     }
 
+    /// Places free now.
+    pub(super) fn free(&self) -> usize {
+        self.places.available_permits()
+    }
+
     /// Gives `n` places back.
     pub(super) fn give_back(&self, n: usize) {
         if n > 0 {
