@@ -4,6 +4,7 @@
 //! ```sh
 //! cargo bench --bench retention                       # 10 million finished rows, ~20 min
 //! cargo bench --bench retention -- --finished 1000000 # about 2 minutes
+//! cargo bench --bench retention -- --finished 1000000 --settle 90
 //! ```
 //!
 //! Three states of one database, measured one after the other in one run:
@@ -13,7 +14,9 @@
 //!    a busy installation's history looks (each completion leaves a dead version, and dead
 //!    entries in the indexes of pending tasks that claims walk, until a vacuum reaches
 //!    them); the table's live and dead row versions are printed;
-//! 3. **finished, vacuumed**: the same after `VACUUM (ANALYZE)`.
+//! 3. with `--settle S`: **S seconds later**, after what autovacuum did meanwhile (if the
+//!    server runs it: the bench prints the setting);
+//! 4. **finished, vacuumed**: the same after `VACUUM (ANALYZE)`.
 //!
 //! In each: 20 000 pending tasks of one map; the p50 and p90 of `Engine::claim` of 512 over
 //! them (the claim statement alone, nothing run or acknowledged), then, on a fresh map of
@@ -36,8 +39,16 @@ const CLAIM: usize = 512;
 /// Finished tasks per execution in the generated history.
 const HISTORY_WIDTH: i64 = 1_000;
 
+/// What the bench was asked for.
+struct Args {
+    finished: i64,
+    /// Seconds to leave autovacuum after the history is written, before a third state.
+    settle: u64,
+}
+
 fn main() -> anyhow::Result<()> {
     let mut finished: i64 = 10_000_000;
+    let mut settle = 0;
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -48,17 +59,27 @@ fn main() -> anyhow::Result<()> {
                     .parse()
                     .context("--finished")?
             }
+            "--settle" => {
+                settle = it
+                    .next()
+                    .context("--settle needs a number of seconds")?
+                    .parse()
+                    .context("--settle")?
+            }
             "--bench" => {}
-            other => anyhow::bail!("unknown argument {other:?}; use --finished N"),
+            other => {
+                anyhow::bail!("unknown argument {other:?}; use --finished N, --settle SECONDS")
+            }
         }
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run(finished))
+        .block_on(run(Args { finished, settle }))
 }
 
-async fn run(finished: i64) -> anyhow::Result<()> {
+async fn run(args: Args) -> anyhow::Result<()> {
+    let finished = args.finished;
     let configured = match std::env::var("DATABASE_URL") {
         Ok(url) => Some(PgConnectOptions::from_str(&url).context("DATABASE_URL")?),
         Err(_) => None,
@@ -77,6 +98,10 @@ async fn run(finished: i64) -> anyhow::Result<()> {
         "confluo {}: claims and drains with finished tasks present",
         env!("CARGO_PKG_VERSION")
     );
+    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
+        .fetch_one(engine.pool())
+        .await?;
+    println!("autovacuum = {autovacuum} on this server");
 
     // A first round warms the caches and the pool up; it is not reported.
     measure(&engine).await?;
@@ -92,6 +117,13 @@ async fn run(finished: i64) -> anyhow::Result<()> {
         format!("{finished} finished, not vacuumed by hand"),
         measure(&engine).await?,
     ));
+    if args.settle > 0 {
+        tokio::time::sleep(Duration::from_secs(args.settle)).await;
+        rows.push((
+            format!("{finished} finished, {} s of autovacuum later", args.settle),
+            measure(&engine).await?,
+        ));
+    }
     let vacuuming = Instant::now();
     sqlx::query("VACUUM (ANALYZE) confluo.task")
         .execute(engine.pool())

@@ -23,9 +23,10 @@
 //!
 //! # Locks
 //! Rows are locked in the one order of [`locks`](super::locks): executions, tasks,
-//! stripes, groups; each kind in id order. The statements here lock tasks (their guarded
-//! update), then stripes, then groups; the execution, where one is needed, is locked
-//! before them by the caller, or by [`lock_and_mark_fired`] when a transaction that
+//! stripes, groups; each kind in id order. The statements here lock tasks (a failure's or
+//! a cancel's guarded update of its one attempt; a completion's [`held_rows!`] probe per
+//! attempt, in id order), then stripes, then groups; the execution, where one is needed,
+//! is locked before them by the caller, or by [`lock_and_mark_fired`] when a transaction that
 //! already holds the group fires it (see `locks` for why that cannot deadlock).
 
 use std::collections::BTreeMap;
