@@ -144,8 +144,11 @@ pub(super) fn housekeeping_interval(settings: &Settings) -> Duration {
 /// gone. Failures are logged: the registry is for people, the tasks do not depend on it.
 async fn heartbeat(state: &State) {
     let settings = &state.settings;
-    let running = settings.concurrency - state.slots.available_permits();
-    let held = (settings.concurrency + settings.local_queue) - state.room.free();
+    // Saturating: a report, never a reason for housekeeping (and the reclaim) to stop.
+    let running = settings
+        .concurrency
+        .saturating_sub(state.slots.available_permits());
+    let held = (settings.concurrency + settings.local_queue).saturating_sub(state.room.free());
     match state
         .engine
         .worker_heartbeat(&settings.id, running, held)
