@@ -164,8 +164,9 @@ async fn heartbeat(state: &State) {
     }
 }
 
-/// Reclaims expired leases, times out executions past their deadline and samples the
-/// queue depth, every half lease (at most 5 s apart), until aborted.
+/// Sends the registry heartbeat, reclaims expired leases, times out executions past their
+/// deadline and samples the queue depth, every half lease (at most 5 s apart), until
+/// aborted.
 pub(super) async fn housekeeping(state: Arc<State>) {
     let every = housekeeping_interval(&state.settings);
     loop {
