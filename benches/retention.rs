@@ -7,7 +7,7 @@
 //! cargo bench --bench retention -- --finished 1000000 --settle 90
 //! ```
 //!
-//! Three states of one database, measured one after the other in one run:
+//! States of one database, measured one after the other in one run:
 //! 1. **empty**: no finished task (after a first round that warms caches up, not shown);
 //! 2. **finished, not vacuumed by hand**: `--finished` tasks inserted pending and then
 //!    completed by bulk `UPDATE`s, with autovacuum at the server's settings meanwhile, as

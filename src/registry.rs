@@ -157,15 +157,14 @@ impl Engine {
         held: usize,
     ) -> Result<bool> {
         let mut conn = self.pool().acquire().await?;
-        let found = workers::heartbeat(
+        workers::heartbeat(
             &mut conn,
             id,
             i32::try_from(running).unwrap_or(i32::MAX),
             i32::try_from(held).unwrap_or(i32::MAX),
+            millis(WORKER_RETENTION),
         )
-        .await?;
-        workers::age_out(&mut conn, millis(WORKER_RETENTION)).await?;
-        Ok(found)
+        .await
     }
 
     /// Marks a worker stopped.

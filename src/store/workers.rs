@@ -43,21 +43,29 @@ pub(crate) async fn register(conn: &mut PgConnection, w: &Registration<'_>) -> R
     Ok(())
 }
 
-/// A heartbeat: what the worker runs and holds now. False when its row is gone (deleted
-/// by an operator, or aged out while the worker could not reach the database).
+/// A heartbeat: what the worker runs and holds now; the same statement deletes the rows
+/// of workers stopped or silent for longer than `retention_ms`. False when the worker's
+/// own row is gone (deleted by an operator, or aged out while the worker could not reach
+/// the database).
 pub(crate) async fn heartbeat(
     conn: &mut PgConnection,
     id: &str,
     running: i32,
     held: i32,
+    retention_ms: i64,
 ) -> Result<bool> {
     let rows = sqlx::query(
-        "UPDATE confluo.worker SET last_seen = now(), running = $2, held = $3
+        "WITH aged_out AS (
+            DELETE FROM confluo.worker
+             WHERE last_seen < now() - $4 * interval '1 millisecond' AND id <> $1
+         )
+         UPDATE confluo.worker SET last_seen = now(), running = $2, held = $3
           WHERE id = $1 AND stopped_at IS NULL",
     )
     .bind(id)
     .bind(running)
     .bind(held)
+    .bind(retention_ms)
     .execute(conn)
     .await?
     .rows_affected();
@@ -74,18 +82,6 @@ pub(crate) async fn stopped(conn: &mut PgConnection, id: &str) -> Result<()> {
     .execute(conn)
     .await?;
     Ok(())
-}
-
-/// Deletes the rows of workers stopped or silent for longer than `after_ms`.
-pub(crate) async fn age_out(conn: &mut PgConnection, after_ms: i64) -> Result<u64> {
-    Ok(sqlx::query(
-        "DELETE FROM confluo.worker
-          WHERE last_seen < now() - $1 * interval '1 millisecond'",
-    )
-    .bind(after_ms)
-    .execute(conn)
-    .await?
-    .rows_affected())
 }
 
 /// A row of the registry, with its state as the server's clock sees it.
