@@ -466,6 +466,38 @@ fn demo_runs_on_the_configured_server_or_a_throwaway_one() {
     );
 }
 
+/// `confluo bench` on the throwaway server it starts when none is configured: every
+/// phase, the round trips through the counting proxy included, must reach the server's
+/// Unix socket (the proxy once tried the socket's directory with its own port).
+#[test]
+fn bench_runs_on_a_throwaway_server() {
+    if !std::path::Path::new("/usr/lib/postgresql").exists() {
+        eprintln!("skipped: no PostgreSQL binaries to start a throwaway server from");
+        return;
+    }
+    let out_dir = tempfile::tempdir().unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .args([
+            "bench",
+            "--widths",
+            "20",
+            "--finishers",
+            "2",
+            "--budget",
+            "0.5",
+        ])
+        .args(["--strategies", "floor,countdown", "--out"])
+        .arg(out_dir.path())
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    let out = text(&run);
+    assert!(run.status.success(), "{out}");
+    assert!(out.contains("started a throwaway PostgreSQL"), "{out}");
+    let results = std::fs::read_to_string(out_dir.path().join("results.json")).unwrap();
+    assert!(results.contains("countdown"), "{results}");
+}
+
 #[test]
 fn no_database_configured_says_how_to_point_at_one() {
     let out = Command::new(env!("CARGO_BIN_EXE_confluo"))

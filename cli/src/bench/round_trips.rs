@@ -44,9 +44,18 @@ impl CountingProxy {
         Ok(CountingProxy { counts, port })
     }
 
-    /// `upstream`'s options pointed at the proxy.
+    /// `upstream`'s options pointed at the proxy, over TCP. Options that name a Unix
+    /// socket (a throwaway server's) cannot just be given another host: sqlx connects to
+    /// `socket` whenever it is set, so they are rebuilt without it. The socket trusts, so
+    /// the user and database are all they need.
     pub fn options(&self, upstream: &PgConnectOptions) -> PgConnectOptions {
-        upstream.clone().host("127.0.0.1").port(self.port)
+        let options = match upstream.get_socket() {
+            None => upstream.clone(),
+            Some(_) => PgConnectOptions::new_without_pgpass()
+                .username(upstream.get_username())
+                .database(upstream.get_database().unwrap_or("postgres")),
+        };
+        options.host("127.0.0.1").port(self.port)
     }
 
     pub fn reset(&self) {
@@ -73,6 +82,10 @@ enum Upstream {
 impl Upstream {
     fn of(options: &PgConnectOptions) -> Upstream {
         let (host, port) = (options.get_host(), options.get_port());
+        #[cfg(unix)]
+        if let Some(dir) = options.get_socket() {
+            return Upstream::Socket(dir.join(format!(".s.PGSQL.{port}")));
+        }
         #[cfg(unix)]
         if host.starts_with('/') {
             return Upstream::Socket(format!("{host}/.s.PGSQL.{port}").into());
