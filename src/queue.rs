@@ -145,7 +145,9 @@ impl Engine {
     /// that completes a batch holding no group's last arrival, then the one that can fire.
     /// Each must look every attempt up by its primary key (`task_pkey`), whatever the
     /// statistics: a plan that scans the running tasks for each attempt makes a batch
-    /// cost its size times the running tasks.
+    /// cost its size times the running tasks. A batch of one is a statement of its own,
+    /// with scalar parameters (one guarded update by key): most acknowledgements without
+    /// a window are one completion.
     ///
     /// # Errors
     /// [`Error::Database`].

@@ -30,6 +30,7 @@
 //! already holds the group fires it (see `locks` for why that cannot deadlock).
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -198,33 +199,63 @@ pub(crate) async fn complete_many(
     tokens: &[LeaseToken],
     outputs: &[Json<&Value>],
 ) -> Result<Vec<CompletedRow>> {
-    Ok(sqlx::query_as(&complete_many_sql())
-        .bind(ids)
-        .bind(tokens)
-        .bind(outputs)
-        .fetch_all(conn)
-        .await?)
+    let query = match (ids, tokens, outputs) {
+        ([id], [token], [output]) => sqlx::query_as(&COMPLETE_ONE)
+            .bind(id)
+            .bind(token)
+            .bind(output),
+        _ => sqlx::query_as(&COMPLETE_MANY)
+            .bind(ids)
+            .bind(tokens)
+            .bind(outputs),
+    };
+    Ok(query.fetch_all(conn).await?)
 }
 
-fn complete_many_sql() -> String {
-    format!(
-        "WITH held AS ({}
-         ), done AS (
-            UPDATE confluo.task t
-               SET status = 'completed', output = held.output, finished_at = now(),
-                   lease_expires_at = NULL
-              FROM held
-             WHERE {}
-         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index
-         ) {}
-         SELECT m.id, m.group_id, m.execution_id, m.stage_index, m.fan_in, c.remaining
-           FROM c_members m LEFT JOIN c_groups c ON c.id = m.group_id",
+/// What [`complete_many`] runs for a batch, and for one attempt (`$1`, `$2`, `$3`
+/// scalars, a guarded update by key: see [`COMPLETE_ONE_UNLESS_LAST`]).
+static COMPLETE_MANY: LazyLock<String> = LazyLock::new(|| {
+    complete_sql(concat!(
+        "WITH held AS (",
         held_rows!(
             "unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS u(id, token, output)",
             "y.execution_id",
             ""
         ),
+        "
+         ), done AS (
+            UPDATE confluo.task t
+               SET status = 'completed', output = held.output, finished_at = now(),
+                   lease_expires_at = NULL
+              FROM held
+             WHERE ",
         by_id!("t", "held"),
+        "
+         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index
+         )"
+    ))
+});
+static COMPLETE_ONE: LazyLock<String> = LazyLock::new(|| {
+    complete_sql(concat!(
+        "WITH done AS (
+            UPDATE confluo.task y
+               SET status = 'completed', output = $3::jsonb, finished_at = now(),
+                   lease_expires_at = NULL
+             WHERE ",
+        held!("y", "$1::uuid", "$2::uuid"),
+        "
+         RETURNING y.id, y.group_id, y.execution_id, y.stage_index, y.item_index
+         )"
+    ))
+});
+
+/// A completion statement: `done` (a CTE of the completed members) counted down, and
+/// each member returned with what was left on its group's counter.
+fn complete_sql(done: &str) -> String {
+    format!(
+        "{done} {}
+         SELECT m.id, m.group_id, m.execution_id, m.stage_index, m.fan_in, c.remaining
+           FROM c_members m LEFT JOIN c_groups c ON c.id = m.group_id",
         counters_sql("done", Count::Down)
     )
 }
@@ -242,22 +273,28 @@ pub(crate) async fn complete_many_unless_last(
     tokens: &[LeaseToken],
     outputs: &[Json<&Value>],
 ) -> Result<bool> {
-    Ok(sqlx::query_scalar(COMPLETE_MANY_UNLESS_LAST)
-        .bind(ids)
-        .bind(tokens)
-        .bind(outputs)
-        .fetch_one(conn)
-        .await?)
+    let query = match (ids, tokens, outputs) {
+        ([id], [token], [output]) => sqlx::query_scalar(COMPLETE_ONE_UNLESS_LAST)
+            .bind(id)
+            .bind(token)
+            .bind(output),
+        _ => sqlx::query_scalar(COMPLETE_MANY_UNLESS_LAST)
+            .bind(ids)
+            .bind(tokens)
+            .bind(outputs),
+    };
+    Ok(query.fetch_one(conn).await?)
 }
 
-const COMPLETE_MANY_UNLESS_LAST: &str = concat!(
-    "WITH t AS (",
-    held_rows!(
-        "unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS u(id, token, output)",
-        "y.group_id, y.item_index",
-        ""
-    ),
-    "
+/// The body of [`complete_many_unless_last`]'s statements: `$held` is the CTE of the
+/// attempts that hold their leases, locked (`id, group_id, item_index, output`); `$all`
+/// is true when it holds every item of the batch; `$write` finds the task rows `x` of `t`.
+macro_rules! unless_last {
+    ($held:expr, $all:literal, $write:expr) => {
+        concat!(
+            "WITH t AS (",
+            $held,
+            "
          ), arrived AS (
             SELECT t.*, g.fan_in,
                    CASE WHEN g.fan_in = 'striped'
@@ -277,8 +314,9 @@ const COMPLETE_MANY_UNLESS_LAST: &str = concat!(
              ORDER BY g.id
                FOR NO KEY UPDATE OF g
          ), go AS (
-            SELECT (SELECT count(DISTINCT id) FROM arrived) = cardinality($1::uuid[])
-               AND cardinality($1::uuid[]) = (SELECT count(DISTINCT i) FROM unnest($1::uuid[]) i)
+            SELECT ",
+            $all,
+            "
                AND NOT EXISTS (SELECT 1 FROM arrived WHERE fan_in NOT IN ('countdown', 'striped'))
                AND (SELECT count(*) FROM stripes_locked) + (SELECT count(*) FROM groups_locked)
                    = (SELECT count(*) FROM per_counter)
@@ -298,10 +336,37 @@ const COMPLETE_MANY_UNLESS_LAST: &str = concat!(
                    lease_expires_at = NULL
               FROM t, go
              WHERE go.ok AND ",
-    by_id!("x", "t"),
-    "
+            $write,
+            "
          )
          SELECT ok FROM go"
+        )
+    };
+}
+
+const COMPLETE_MANY_UNLESS_LAST: &str = unless_last!(
+    held_rows!(
+        "unnest($1::uuid[], $2::uuid[], $3::jsonb[]) AS u(id, token, output)",
+        "y.group_id, y.item_index",
+        ""
+    ),
+    "(SELECT count(DISTINCT id) FROM arrived) = cardinality($1::uuid[])
+               AND cardinality($1::uuid[]) = (SELECT count(DISTINCT i) FROM unnest($1::uuid[]) i)",
+    by_id!("x", "t")
+);
+
+/// [`COMPLETE_MANY_UNLESS_LAST`] for one attempt (`$1`, `$2`, `$3` scalars): most
+/// acknowledgements are one completion, and the batch form's unnest, sort and lateral
+/// probe cost a single one a third of its rate.
+const COMPLETE_ONE_UNLESS_LAST: &str = unless_last!(
+    concat!(
+        "SELECT y.id, y.group_id, y.item_index, $3::jsonb AS output FROM confluo.task y
+          WHERE ",
+        held!("y", "$1::uuid", "$2::uuid"),
+        " FOR NO KEY UPDATE"
+    ),
+    "(SELECT count(*) FROM arrived) = 1",
+    "x.id = $1::uuid AND x.id = t.id"
 );
 
 /// The plans of both completion statements ([`complete_many_unless_last`], then
@@ -311,13 +376,21 @@ pub(crate) async fn explain_completions(
     conn: &mut PgConnection,
     batch: usize,
 ) -> Result<(Plans, Plans)> {
+    if batch == 1 {
+        let (id, token) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        let types = ["uuid", "uuid", "jsonb"];
+        let args = [id.to_string(), token.to_string(), "null".to_owned()];
+        let unless_last = plans::explain(conn, COMPLETE_ONE_UNLESS_LAST, &types, &args).await?;
+        let one = plans::explain(conn, &COMPLETE_ONE, &types, &args).await?;
+        return Ok((unless_last, one));
+    }
     let ids = plans::array((0..batch).map(|_| uuid::Uuid::new_v4()));
     let tokens = plans::array((0..batch).map(|_| uuid::Uuid::new_v4()));
     let outputs = plans::array((0..batch).map(|_| "null"));
     let types = ["uuid[]", "uuid[]", "jsonb[]"];
     let args = [ids, tokens, outputs];
     let unless_last = plans::explain(conn, COMPLETE_MANY_UNLESS_LAST, &types, &args).await?;
-    let many = plans::explain(conn, &complete_many_sql(), &types, &args).await?;
+    let many = plans::explain(conn, &COMPLETE_MANY, &types, &args).await?;
     Ok((unless_last, many))
 }
 
