@@ -77,6 +77,7 @@ impl DeadLetterFilter {
 
 /// A dead-lettered task, as listed by [`Engine::dead_letters`].
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct DeadLetterSummary {
     /// The task.
@@ -132,6 +133,7 @@ impl From<DeadLetterRow> for DeadLetterSummary {
 
 /// One dead letter in full, as returned by [`Engine::dead_letter`].
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct DeadLetterDetail {
     /// What the listing shows.
@@ -146,6 +148,7 @@ pub struct DeadLetterDetail {
 
 /// What [`Engine::reprocess`] did.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct Reprocessed {
     /// The reprocessed task.

@@ -12,6 +12,7 @@ use crate::ids::{ExecutionId, GroupId, TaskId};
 
 /// Where an execution stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum ExecutionStatus {
@@ -84,6 +85,7 @@ impl fmt::Display for ExecutionStatus {
 
 /// A snapshot of one execution.
 #[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct Execution {
     /// Its id.
@@ -120,6 +122,7 @@ pub struct Execution {
 
 /// Progress of one stage's group.
 #[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct StageProgress {
     /// Position in the workflow.
@@ -158,6 +161,7 @@ pub struct StageProgress {
 
 /// A dead-lettered member.
 #[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct DeadLetter {
     /// The task.
@@ -176,6 +180,7 @@ pub struct DeadLetter {
 
 /// One failed attempt.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct AttemptError {
     /// The attempt number, from 1.

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 /// How the last arrival of a group is detected.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum FanInStrategy {

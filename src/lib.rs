@@ -68,6 +68,7 @@ mod fanin;
 mod handler;
 mod ids;
 mod listing;
+mod members;
 pub mod metrics;
 mod outputs;
 mod queue;
@@ -91,7 +92,8 @@ pub use execution::{
 pub use fanin::{FanInStrategy, UnknownStrategy};
 pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
-pub use listing::{ExecutionSummary, ListFilter, MemberSummary, QueueDepth};
+pub use listing::{ExecutionCounts, ExecutionSummary, ListFilter, QueueDepth, RegisteredWorkflow};
+pub use members::{MemberFilter, MemberPage, MemberStatus, MemberSummary, UnknownMemberStatus};
 pub use outputs::{BlockMember, BlockOutputs, DEFAULT_INLINE_BLOCK_INPUT, MAX_MAP_WIDTH};
 pub use queue::Outcome;
 pub use registry::{WorkerInfo, WorkerState, WORKER_RETENTION};

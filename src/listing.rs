@@ -1,14 +1,15 @@
-//! Listing executions (the newest first, filtered by workflow and status), and deleting
-//! old terminal ones.
+//! Listing executions (the newest first, filtered by workflow and status), counting them,
+//! listing registered workflows, and deleting old terminal executions.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
+use crate::definition::Workflow;
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::execution::ExecutionStatus;
-use crate::ids::{ExecutionId, TaskId};
-use crate::store::{executions, tasks};
+use crate::ids::ExecutionId;
+use crate::store::{executions, tasks, workflows};
 
 /// Which executions [`Engine::list`] returns.
 ///
@@ -65,6 +66,7 @@ impl ListFilter {
 
 /// One execution in a listing.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct ExecutionSummary {
     /// The execution.
@@ -87,6 +89,7 @@ pub struct ExecutionSummary {
 
 /// How many tasks wait and run, as [`Engine::queue_depth`] counts them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct QueueDepth {
     /// Pending and due: claimable now.
@@ -97,69 +100,36 @@ pub struct QueueDepth {
     pub running: u64,
 }
 
-/// One member of a stage, as [`Engine::members`] lists it.
-#[derive(Debug, Clone, Serialize)]
+/// How many executions are in each status, as [`Engine::execution_counts`] counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
-pub struct MemberSummary {
-    /// The task.
-    pub task_id: TaskId,
-    /// Its position in the group.
-    pub item_index: u32,
-    /// Its handler (stage or branch name).
-    pub handler: String,
-    /// `pending`, `running`, `completed`, `dead` or `cancelled`.
-    pub status: String,
-    /// Attempts made (since its last reprocessing).
-    pub attempts: u32,
-    /// Times it was reprocessed.
-    pub reprocessed: u32,
-    /// When its latest attempt started.
-    pub started_at: Option<DateTime<Utc>>,
-    /// When it became terminal.
-    pub finished_at: Option<DateTime<Utc>>,
-    /// The last attempt's error, if any failed.
-    pub last_error: Option<String>,
+pub struct ExecutionCounts {
+    /// Running (not yet at a terminal status).
+    pub running: u64,
+    /// Completed.
+    pub completed: u64,
+    /// Failed.
+    pub failed: u64,
+    /// Cancelled.
+    pub cancelled: u64,
+    /// Timed out (past their deadline).
+    pub timed_out: u64,
+}
+
+/// A registered workflow version, as [`Engine::workflows`] lists it.
+#[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[non_exhaustive]
+pub struct RegisteredWorkflow {
+    /// The definition: name, version and stages, as registered.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub definition: Workflow,
+    /// When this version was registered.
+    pub registered_at: DateTime<Utc>,
 }
 
 impl Engine {
-    /// Up to `limit` members of stage `stage_index` of an execution: those not completed
-    /// first (running, pending, dead, cancelled), then in item order.
-    ///
-    /// # Errors
-    /// [`Error::Database`](crate::Error::Database).
-    ///
-    /// # Cancel safety
-    /// Reads only: dropping it changes nothing.
-    pub async fn members(
-        &self,
-        execution: ExecutionId,
-        stage_index: usize,
-        limit: usize,
-    ) -> Result<Vec<MemberSummary>> {
-        let mut conn = self.pool().acquire().await?;
-        let rows = tasks::members(
-            &mut conn,
-            execution,
-            i32::try_from(stage_index).unwrap_or(i32::MAX),
-            i64::try_from(limit).unwrap_or(i64::MAX),
-        )
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|r| MemberSummary {
-                task_id: r.id,
-                item_index: r.item_index as u32,
-                handler: r.handler,
-                status: r.status,
-                attempts: r.attempt as u32,
-                reprocessed: r.reprocessed as u32,
-                started_at: r.started_at,
-                finished_at: r.finished_at,
-                last_error: r.last_error,
-            })
-            .collect())
-    }
-
     /// Tasks due, scheduled and running, over every workflow. Workers sample it into the
     /// `confluo_queue_depth` gauge (see [`metrics`](crate::metrics)).
     ///
@@ -176,6 +146,47 @@ impl Engine {
             scheduled: row.scheduled as u64,
             running: row.running as u64,
         })
+    }
+
+    /// How many executions are in each status, over every workflow.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
+    pub async fn execution_counts(&self) -> Result<ExecutionCounts> {
+        let mut counts = ExecutionCounts::default();
+        for (status, n) in executions::count_by_status(self.pool()).await? {
+            let n = n as u64;
+            match ExecutionStatus::parse(&status) {
+                ExecutionStatus::Running => counts.running += n,
+                ExecutionStatus::Completed => counts.completed += n,
+                ExecutionStatus::Failed => counts.failed += n,
+                ExecutionStatus::Cancelled => counts.cancelled += n,
+                ExecutionStatus::TimedOut => counts.timed_out += n,
+            }
+        }
+        Ok(counts)
+    }
+
+    /// Every registered version of every workflow (of `name` only, when given), by name,
+    /// the newest version first.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
+    pub async fn workflows(&self, name: Option<&str>) -> Result<Vec<RegisteredWorkflow>> {
+        Ok(workflows::all(self.pool(), name)
+            .await?
+            .into_iter()
+            .map(|(definition, registered_at)| RegisteredWorkflow {
+                definition,
+                registered_at,
+            })
+            .collect())
     }
 
     /// Executions matching `filter`, the newest first.

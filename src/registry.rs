@@ -22,6 +22,7 @@ pub const WORKER_RETENTION: Duration = Duration::from_secs(3600);
 
 /// A registered worker, as its last heartbeat left it ([`Engine::workers`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct WorkerInfo {
     /// The worker's id ([`WorkerBuilder::id`](crate::WorkerBuilder::id)); also the
@@ -36,6 +37,7 @@ pub struct WorkerInfo {
     /// The `(workflow, handler)` pairs it serves (in JSON: `{"workflow", "handler"}`
     /// objects).
     #[serde(serialize_with = "pairs_as_objects")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>, example = json!([{"workflow": "orders", "handler": "charge"}])))]
     pub handlers: Vec<(String, String)>,
     /// Handlers it runs at once, at most.
     pub concurrency: u32,
@@ -56,6 +58,7 @@ pub struct WorkerInfo {
 
 /// Whether a registered worker is still working.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum WorkerState {

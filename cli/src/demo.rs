@@ -88,7 +88,15 @@ pub async fn run(admin: PgConnectOptions, args: Args, throwaway: bool) -> anyhow
     check_connections(&engine, args.workers).await?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
-        workers.push(start_worker(&options, &format!("demo-worker-{i}"), args.fail_every).await?);
+        workers.push(
+            start_worker(
+                &options,
+                &format!("demo-worker-{i}"),
+                args.fail_every,
+                Duration::ZERO,
+            )
+            .await?,
+        );
     }
     if args.workers == 0 {
         println!(
@@ -206,12 +214,23 @@ async fn check_connections(engine: &Engine, workers: usize) -> anyhow::Result<()
     Ok(())
 }
 
+/// Registers the demo workflow (countdown fan-in) unless registered already: by
+/// `confluo demo`, perhaps with another fan-in strategy, which then applies.
+pub async fn register_unless_there(engine: &Engine) -> anyhow::Result<()> {
+    match engine.register(&workflow(FanInStrategy::Countdown)).await {
+        Err(confluo::Error::DefinitionConflict { .. }) | Ok(()) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// A worker with a pool of its own serving the demo workflow: every `fail_every`-th item
-/// fails for good (0: none), every 7th fails once.
+/// fails for good (0: none), every 7th fails once; each member takes `pace` (zero: no
+/// time at all; `serve --demo` slows them so that the dashboard's countdown is seen).
 pub async fn start_worker(
     options: &PgConnectOptions,
     id: &str,
     fail_every: u64,
+    pace: Duration,
 ) -> anyhow::Result<confluo::Worker> {
     let pool = PgPoolOptions::new()
         .max_connections(WORKER_POOL)
@@ -227,6 +246,9 @@ pub async fn start_worker(
         })
         .handler(WORKFLOW, "process", move |t| async move {
             let item: u64 = t.input_as()?;
+            if !pace.is_zero() {
+                tokio::time::sleep(pace).await;
+            }
             if fail_every > 0 && item % fail_every == fail_every - 1 {
                 return Err(TaskError::permanent(format!("item {item} is out of stock")));
             }

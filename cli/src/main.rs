@@ -9,6 +9,7 @@
 //! confluo doctor [--repair] [--json]
 //! confluo demo --width 10000
 //! confluo worker --metrics 127.0.0.1:9464
+//! confluo serve --demo
 //! confluo bench --quick
 //! confluo stress --executions 200 --width 1000 --processes 3 --all-faults
 //! ```
@@ -18,6 +19,7 @@ mod dead_letters;
 mod demo;
 mod doctor;
 mod executions;
+mod serve;
 use confluo_testkit as server;
 mod stress;
 mod worker;
@@ -82,6 +84,10 @@ enum Command {
     /// Runs workers for the demo workflow until Ctrl-C or SIGTERM, with an optional
     /// Prometheus endpoint (`--metrics 127.0.0.1:9464`).
     Worker(worker::Args),
+    /// Serves the HTTP API (JSON under /api/v1, its OpenAPI document at
+    /// /api/v1/openapi.json) until Ctrl-C or SIGTERM. Starts a throwaway PostgreSQL when
+    /// none is configured; `--demo` runs the demo workflow beside it.
+    Serve(serve::Args),
     /// Runs a stress worker (spawned by `stress --processes`).
     #[command(hide = true)]
     StressWorker(stress::WorkerArgs),
@@ -110,7 +116,10 @@ fn main() -> std::process::ExitCode {
     // On Ctrl-C, SIGTERM or SIGHUP the command's future is dropped, which stops and
     // removes a throwaway server. The handlers are installed before the command starts
     // (biased: polled first). A worker handles its signals itself, to shut down gracefully.
-    let graceful = matches!(cli.command, Command::Worker(_) | Command::StressWorker(_));
+    let graceful = matches!(
+        cli.command,
+        Command::Worker(_) | Command::StressWorker(_) | Command::Serve(_)
+    );
     let interruptible = async {
         use tokio::signal::unix::{signal, SignalKind};
         let (mut term, mut hangup) = (
@@ -222,6 +231,11 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             _ => unreachable!(),
         };
     }
+    // This one brings a throwaway server when none is configured (but never replaces a
+    // configured one that does not answer).
+    if let Command::Serve(args) = cli.command {
+        return serve::run(cli.database_url.as_deref(), args).await;
+    }
     let mut options = database(cli.database_url.as_deref())?;
     if let Some(name) = cli.command.database() {
         options = options.database(name);
@@ -241,7 +255,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Worker(args) => worker::run(options, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
         Command::Workers(args) => workers::run(connect(&options, 2).await?, args).await,
-        Command::Demo(_) | Command::Stress(_) | Command::Bench(_) => {
+        Command::Demo(_) | Command::Stress(_) | Command::Bench(_) | Command::Serve(_) => {
             unreachable!("handled above")
         }
         Command::StressWorker(args) => stress::worker_process(options, args).await,

@@ -4,8 +4,9 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use confluo::{Engine, FanInStrategy};
+use confluo::Engine;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -55,18 +56,12 @@ pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCo
             .await?,
     );
     engine.migrate().await?;
-    // The demo may have registered it already, with another fan-in strategy: keep that.
-    match engine
-        .register(&crate::demo::workflow(FanInStrategy::Countdown))
-        .await
-    {
-        Err(confluo::Error::DefinitionConflict { .. }) | Ok(()) => {}
-        Err(e) => return Err(e.into()),
-    }
+    crate::demo::register_unless_there(&engine).await?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
         let id = format!("confluo-worker-{}-{i}", std::process::id());
-        workers.push(crate::demo::start_worker(&options, &id, args.fail_every).await?);
+        workers
+            .push(crate::demo::start_worker(&options, &id, args.fail_every, Duration::ZERO).await?);
     }
     eprintln!(
         "{} worker(s) serving {:?}; Ctrl-C (or SIGTERM) stops them gracefully",

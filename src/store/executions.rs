@@ -383,6 +383,18 @@ where
     .await?)
 }
 
+/// How many executions are in each status (statuses with none are left out).
+pub(crate) async fn count_by_status<'e, E>(executor: E) -> Result<Vec<(String, i64)>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    Ok(
+        sqlx::query_as("SELECT status, count(*) FROM confluo.execution GROUP BY status")
+            .fetch_all(executor)
+            .await?,
+    )
+}
+
 /// Executions, newest first, optionally of one workflow and in one status.
 pub(crate) async fn list<'e, E>(
     executor: E,

@@ -25,6 +25,7 @@ pub(crate) mod executions;
 pub(crate) mod fan_in;
 pub(crate) mod groups;
 pub(crate) mod locks;
+pub(crate) mod members;
 pub(crate) mod outputs;
 pub(crate) mod plans;
 pub(crate) mod tasks;

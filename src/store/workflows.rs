@@ -1,5 +1,6 @@
 //! The `workflow` table: registered definitions.
 
+use chrono::{DateTime, Utc};
 use sqlx::types::Json;
 use sqlx::PgPool;
 
@@ -68,4 +69,24 @@ where
         name: name.to_owned(),
         version: None,
     })
+}
+
+/// Every registered version of every workflow (or of `name`), by name, newest version
+/// first, with when it was registered.
+pub(crate) async fn all<'e, E>(
+    executor: E,
+    name: Option<&str>,
+) -> Result<Vec<(Workflow, DateTime<Utc>)>>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let rows: Vec<(Json<Workflow>, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT definition, created_at FROM confluo.workflow
+          WHERE $1::text IS NULL OR name = $1
+          ORDER BY name, version DESC",
+    )
+    .bind(name)
+    .fetch_all(executor)
+    .await?;
+    Ok(rows.into_iter().map(|(Json(w), at)| (w, at)).collect())
 }
