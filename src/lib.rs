@@ -53,6 +53,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod activity;
 mod batch;
 mod claimed;
 mod connect;
@@ -78,6 +79,7 @@ mod start;
 mod store;
 mod worker;
 
+pub use activity::{Activity, HandOver, MinuteActivity, TaskCounts};
 pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};

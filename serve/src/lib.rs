@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod activity;
 mod api;
 mod auth;
 mod error;
@@ -117,6 +118,7 @@ pub(crate) struct AppState {
     pub(crate) engine: Engine,
     pub(crate) token: Option<Arc<str>>,
     pub(crate) writes: bool,
+    pub(crate) activity: Arc<activity::Cached>,
 }
 
 /// The API's routes under `/api/v1`, checked against `config` (the token rule, the
@@ -131,6 +133,7 @@ pub fn router(engine: Engine, config: &Config) -> Result<Router, ServeError> {
         engine,
         token: config.token.as_deref().map(Arc::from),
         writes: config.writes,
+        activity: Arc::default(),
     };
     Ok(api::routes(state))
 }

@@ -610,7 +610,11 @@ async fn serves_a_socket_and_shuts_down() {
 async fn members_page_by_page() {
     let engine = engine("confluo_serve_members").await;
     engine
-        .register(&Workflow::new("wide", 1).stage(confluo::Stage::map("item")))
+        .register(
+            &Workflow::new("wide", 1)
+                .stage(confluo::Stage::map("item"))
+                .step("sum"),
+        )
         .await
         .unwrap();
     let worker = engine
@@ -624,6 +628,7 @@ async fn members_page_by_page() {
                 Ok(json!(item))
             }
         })
+        .handler("wide", "sum", |_| async { Ok(json!("summed")) })
         .start()
         .await
         .unwrap();
@@ -631,9 +636,26 @@ async fn members_page_by_page() {
         .start("wide", &(0..250).collect::<Vec<u32>>())
         .await
         .unwrap();
-    engine.wait(id, Duration::from_secs(60)).await.unwrap();
+    let done = engine.wait(id, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(done.status, ExecutionStatus::Completed, "{done:?}");
     worker.shutdown().await;
     let app = confluo_serve::router(engine.clone(), &local()).unwrap();
+
+    // The last hour's activity: every task by status, per minute, one hand-over.
+    let (_, stats) = call(&app, Method::GET, "/api/v1/stats", None).await;
+    let activity = &stats["activity"];
+    assert_eq!(
+        activity["tasks"],
+        json!({"pending": 0, "running": 0, "completed": 246, "dead": 5, "cancelled": 0}),
+        "{stats}"
+    );
+    let per_minute = activity["per_minute"].as_array().unwrap();
+    let sum = |key: &str| -> u64 { per_minute.iter().map(|m| m[key].as_u64().unwrap()).sum() };
+    assert_eq!((sum("completed"), sum("dead")), (246, 5), "{stats}");
+    assert_eq!(activity["hand_over"]["groups"], 1, "{stats}");
+    let p50 = activity["hand_over"]["p50_ms"].as_f64().unwrap();
+    assert!((0.0..60_000.0).contains(&p50), "{stats}");
+
     let base = format!("/api/v1/executions/{id}/stages/0/members");
 
     let mut seen = Vec::new();

@@ -19,6 +19,7 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 
 use crate::error::{Error, Result};
 
+pub(crate) mod activity;
 pub(crate) mod audit;
 pub(crate) mod dead_letters;
 pub(crate) mod executions;

@@ -3,7 +3,7 @@
 
 use axum::extract::State;
 use axum::Json;
-use confluo::{ExecutionCounts, QueueDepth, RegisteredWorkflow, WorkerInfo, WorkerState};
+use confluo::{Activity, ExecutionCounts, QueueDepth, RegisteredWorkflow, WorkerInfo, WorkerState};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, OpenApi, ToSchema};
 
@@ -90,6 +90,9 @@ pub(crate) struct Stats {
     queue: QueueDepth,
     /// Workers by state.
     workers: WorkerCounts,
+    /// Over the last hour: tasks by status, members finished per minute, the fan-in's
+    /// hand-over time (read at most every few seconds, however many ask).
+    activity: Activity,
 }
 
 /// Workers by state.
@@ -103,17 +106,19 @@ pub(crate) struct WorkerCounts {
     stopped: u64,
 }
 
-/// Executions by status, the queue's depth, workers by state.
+/// Executions by status, the queue's depth, workers by state, and over the last hour:
+/// tasks by status, throughput per minute and the fan-in's hand-over time.
 #[utoipa::path(
     get, path = "/api/v1/stats", tag = "system",
     responses((status = 200, description = "Counts", body = Stats))
 )]
 pub(crate) async fn stats(State(state): State<AppState>) -> Result<Json<Stats>, ApiError> {
     let engine = &state.engine;
-    let (executions, queue, workers) = tokio::try_join!(
+    let (executions, queue, workers, activity) = tokio::try_join!(
         engine.execution_counts(),
         engine.queue_depth(),
-        engine.workers()
+        engine.workers(),
+        state.activity.read(engine),
     )?;
     let mut counts = WorkerCounts::default();
     for worker in workers {
@@ -127,5 +132,6 @@ pub(crate) async fn stats(State(state): State<AppState>) -> Result<Json<Stats>, 
         executions,
         queue,
         workers: counts,
+        activity,
     }))
 }

@@ -1,0 +1,52 @@
+//! What happened lately, read in one pass over each table: tasks by status, members
+//! finished per minute, and how long fired groups took to hand over to the next stage.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+use crate::error::Result;
+
+/// Tasks by status and, for those finished within `window_secs`, their minute (NULL
+/// otherwise): one sequential pass over the task table.
+pub(crate) async fn tasks_by_status_and_minute(
+    conn: &mut PgConnection,
+    window_secs: f64,
+) -> Result<Vec<(String, Option<DateTime<Utc>>, i64)>> {
+    Ok(sqlx::query_as(
+        "SELECT status,
+                CASE WHEN finished_at >= now() - make_interval(secs => $1)
+                     THEN date_trunc('minute', finished_at) END AS minute,
+                count(*)
+           FROM confluo.task
+          GROUP BY 1, 2",
+    )
+    .bind(window_secs)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Of the groups fired within `window_secs` that have a next stage: how many, and the
+/// 50th and 95th percentiles and the maximum, in seconds, of the time from the firing to
+/// the first start of a member of the next stage.
+pub(crate) async fn hand_over_seconds(
+    conn: &mut PgConnection,
+    window_secs: f64,
+) -> Result<(i64, Option<f64>, Option<f64>, Option<f64>)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*),
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds),
+                percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds),
+                max(seconds)
+           FROM (SELECT extract(epoch FROM
+                          (SELECT min(t.started_at) FROM confluo.task t WHERE t.group_id = n.id)
+                          - g.fired_at)::float8 AS seconds
+                   FROM confluo.stage_group g
+                   JOIN confluo.stage_group n
+                     ON n.execution_id = g.execution_id AND n.stage_index = g.stage_index + 1
+                  WHERE g.fired_at >= now() - make_interval(secs => $1)) AS hand_overs
+          WHERE seconds IS NOT NULL",
+    )
+    .bind(window_secs)
+    .fetch_one(conn)
+    .await?)
+}
