@@ -40,15 +40,20 @@ pub struct MinuteActivity {
     pub dead: u64,
 }
 
-/// How long fired groups took to hand over to their next stage: from the firing's commit
-/// to the first start of a member of the next stage (the fan-in's latency as a user sees
-/// it, the worker's claim included).
+/// How long fired groups took to hand over to their next stage: from the firing to the
+/// first claim of a member of the next stage. A worker whose acknowledgement fired a group
+/// claims the next stage in that same transaction (the hand-off): those count 0, and
+/// [`in_firing_transaction`](Self::in_firing_transaction) says how many they were; the
+/// rest waited for a worker's claim. (The database sees claims, not handler runs: the
+/// time a claimed task waits in a worker's local queue is not in it.)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct HandOver {
-    /// Groups fired in the window whose next stage has started.
+    /// Groups fired in the window whose next stage was claimed.
     pub groups: u64,
+    /// Of those, how many had their next stage claimed in the firing transaction.
+    pub in_firing_transaction: u64,
     /// The median, in milliseconds.
     pub p50_ms: Option<f64>,
     /// The 95th percentile, in milliseconds.
@@ -88,7 +93,8 @@ impl Engine {
         let secs = window.as_secs_f64();
         let mut conn = self.pool().acquire().await?;
         let rows = activity::tasks_by_status_and_minute(&mut conn, secs).await?;
-        let (groups, p50, p95, max) = activity::hand_over_seconds(&mut conn, secs).await?;
+        let (groups, in_firing, p50, p95, max) =
+            activity::hand_over_seconds(&mut conn, secs).await?;
         let mut tasks = TaskCounts::default();
         let mut per_minute: Vec<MinuteActivity> = Vec::new();
         for (status, minute, n) in rows {
@@ -129,6 +135,7 @@ impl Engine {
             per_minute,
             hand_over: HandOver {
                 groups: groups as u64,
+                in_firing_transaction: in_firing as u64,
                 p50_ms: ms(p50),
                 p95_ms: ms(p95),
                 max_ms: ms(max),

@@ -119,9 +119,9 @@ async fn database_options(server: &Server, args: &Args) -> anyhow::Result<PgConn
     confluo_testkit::existing_database(&server.admin(), &name).await
 }
 
-/// How long each demo member takes: 5 000 members on two workers of 32 then take a few
-/// seconds, long enough to watch their countdown.
-const DEMO_PACE: Duration = Duration::from_millis(20);
+/// How long each demo member takes: 5 000 members on two workers of 32 then take about
+/// eight seconds, long enough to watch their countdown.
+const DEMO_PACE: Duration = Duration::from_millis(100);
 
 /// The demo running beside the API: workers, and a loop that starts an execution
 /// whenever the last one ended.

@@ -1,5 +1,6 @@
 //! The guard in front of every route: the bearer token, when one is configured (the
-//! health and readiness probes excepted), and the write switch.
+//! health and readiness probes and the dashboard's files, which hold no data, excepted),
+//! and the write switch.
 
 use axum::extract::{Request, State};
 use axum::http::{header, Method, StatusCode};
@@ -14,7 +15,9 @@ const PROBES: [&str; 2] = ["/api/v1/health", "/api/v1/ready"];
 
 pub(crate) async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if let Some(token) = &state.token {
-        if !PROBES.contains(&request.uri().path()) && !bearer_matches(&request, token) {
+        let path = request.uri().path();
+        let open = PROBES.contains(&path) || crate::dashboard::is_dashboard(path);
+        if !open && !bearer_matches(&request, token) {
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",

@@ -32,6 +32,7 @@
 mod activity;
 mod api;
 mod auth;
+mod dashboard;
 mod error;
 mod openapi;
 

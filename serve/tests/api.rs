@@ -653,6 +653,10 @@ async fn members_page_by_page() {
     let sum = |key: &str| -> u64 { per_minute.iter().map(|m| m[key].as_u64().unwrap()).sum() };
     assert_eq!((sum("completed"), sum("dead")), (246, 5), "{stats}");
     assert_eq!(activity["hand_over"]["groups"], 1, "{stats}");
+    assert!(
+        activity["hand_over"]["in_firing_transaction"].as_u64() <= Some(1),
+        "{stats}"
+    );
     let p50 = activity["hand_over"]["p50_ms"].as_f64().unwrap();
     assert!((0.0..60_000.0).contains(&p50), "{stats}");
 
@@ -717,4 +721,49 @@ async fn members_page_by_page() {
         (status, none),
         (StatusCode::OK, json!({"members": [], "next_after": null}))
     );
+}
+
+/// The dashboard's three files, with their policy, even without the token (they hold no
+/// data); nothing else outside the API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_is_served_with_its_policy() {
+    let engine = engine("confluo_serve_dashboard").await;
+    let guarded = Config::new("0.0.0.0:8080".parse().unwrap()).token("s3cret");
+    for config in [local(), guarded] {
+        let app = confluo_serve::router(engine.clone(), &config).unwrap();
+        for (path, kind, marker) in [
+            ("/", "text/html", "<main id=\"view\">"),
+            ("/ui/app.js", "text/javascript", "textContent"),
+            ("/ui/app.css", "text/css", ".countdown"),
+        ] {
+            let response = app
+                .clone()
+                .oneshot(Request::get(path).body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{path}");
+            let headers = response.headers().clone();
+            assert!(
+                headers[header::CONTENT_TYPE]
+                    .to_str()
+                    .unwrap()
+                    .starts_with(kind),
+                "{path}: {headers:?}"
+            );
+            let policy = headers[header::CONTENT_SECURITY_POLICY].to_str().unwrap();
+            assert!(policy.contains("script-src 'self'"), "{policy}");
+            assert!(policy.contains("frame-ancestors 'none'"), "{policy}");
+            assert!(!policy.contains("unsafe"), "{policy}");
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert!(
+                String::from_utf8_lossy(&body).contains(marker),
+                "{path} lacks {marker}"
+            );
+        }
+        let missing = call(&app, Method::GET, "/ui/other.js", None).await;
+        assert!(
+            missing.0 == StatusCode::NOT_FOUND || missing.0 == StatusCode::UNAUTHORIZED,
+            "{missing:?}"
+        );
+    }
 }

@@ -25,15 +25,16 @@ pub(crate) async fn tasks_by_status_and_minute(
     .await?)
 }
 
-/// Of the groups fired within `window_secs` that have a next stage: how many, and the
-/// 50th and 95th percentiles and the maximum, in seconds, of the time from the firing to
-/// the first start of a member of the next stage.
+/// Of the groups fired within `window_secs` whose next stage was claimed: how many, how
+/// many of those were claimed in the firing transaction itself (the same `now()`), and
+/// the 50th and 95th percentiles and the maximum, in seconds, of the time from the
+/// firing to the first claim of a member of the next stage.
 pub(crate) async fn hand_over_seconds(
     conn: &mut PgConnection,
     window_secs: f64,
-) -> Result<(i64, Option<f64>, Option<f64>, Option<f64>)> {
+) -> Result<(i64, i64, Option<f64>, Option<f64>, Option<f64>)> {
     Ok(sqlx::query_as(
-        "SELECT count(*),
+        "SELECT count(*), count(*) FILTER (WHERE seconds = 0),
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds),
                 percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds),
                 max(seconds)

@@ -12,7 +12,7 @@ use axum::Router;
 
 use crate::{ApiError, AppState};
 
-/// Every route, behind the guard (token, write switch).
+/// Every route, behind the guard (token, write switch): the API, and the dashboard.
 pub(crate) fn routes(state: AppState) -> Router {
     let api = Router::new()
         .route("/health", get(system::health))
@@ -39,6 +39,9 @@ pub(crate) fn routes(state: AppState) -> Router {
             post(dead_letters::reprocess),
         );
     Router::new()
+        .route("/", get(crate::dashboard::index))
+        .route("/ui/app.js", get(crate::dashboard::script))
+        .route("/ui/app.css", get(crate::dashboard::style))
         .nest("/api/v1", api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
