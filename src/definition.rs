@@ -30,6 +30,9 @@ pub struct Workflow {
     name: String,
     version: i32,
     stages: Vec<Stage>,
+    /// Where to announce the end of its executions that name no callback of their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    callback: Option<String>,
 }
 
 /// One stage: what runs, and how its members are retried and joined.
@@ -279,7 +282,21 @@ impl Workflow {
             name: name.into(),
             version,
             stages: Vec::new(),
+            callback: None,
         }
+    }
+
+    /// Announces the end of every execution of this version to `url` (a webhook, sent
+    /// through the outbox: see [`StartOptions::callback`](crate::StartOptions::callback)),
+    /// unless the execution names its own.
+    pub fn callback(mut self, url: impl Into<String>) -> Self {
+        self.callback = Some(url.into());
+        self
+    }
+
+    /// The webhook URL of its executions, if it has one.
+    pub fn callback_url(&self) -> Option<&str> {
+        self.callback.as_deref()
     }
 
     /// Appends a stage built with [`Stage`]'s options.
@@ -341,6 +358,12 @@ impl Workflow {
         }
         if self.stages.is_empty() {
             return Err(DefinitionError::NoStages);
+        }
+        if let Some(url) = &self.callback {
+            crate::callback::check(url).map_err(|reason| DefinitionError::InvalidCallback {
+                url: url.clone(),
+                reason,
+            })?;
         }
         let mut stage_names = HashSet::new();
         let mut handler_names = HashSet::new();
@@ -416,6 +439,14 @@ fn check_retry(policy: &RetryPolicy) -> Result<(), &'static str> {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DefinitionError {
+    /// The callback URL is unusable.
+    #[error("callback URL {url:?} is invalid: {reason}")]
+    InvalidCallback {
+        /// The URL given.
+        url: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
     /// The workflow name is unusable.
     #[error("workflow name {name:?} is invalid: {reason}")]
     InvalidWorkflowName {

@@ -93,6 +93,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// A callback URL given to [`StartOptions::callback`](crate::StartOptions::callback)
+    /// that cannot be posted to. Nothing was started.
+    #[error(
+        "callback URL {url:?} is invalid: {reason}; give an http:// or https:// URL with a host"
+    )]
+    InvalidCallback {
+        /// The URL given.
+        url: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+
     /// A task's output does not fit the next stage, e.g. a step followed by a map must
     /// return an array. Nothing was recorded: the attempt should be failed instead.
     #[error("invalid output of task {task}: {reason}")]

@@ -55,6 +55,7 @@
 
 mod activity;
 mod batch;
+mod callback;
 mod claimed;
 mod connect;
 mod dead_letters;
@@ -71,15 +72,19 @@ mod ids;
 mod listing;
 mod members;
 pub mod metrics;
+mod notifications;
 mod outputs;
 mod queue;
 mod reclaim;
 mod registry;
 mod start;
 mod store;
+#[cfg(feature = "webhooks")]
+pub mod webhooks;
 mod worker;
 
 pub use activity::{Activity, HandOver, MinuteActivity, TaskCounts};
+pub use callback::MAX_CALLBACK_LEN;
 pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
@@ -96,6 +101,7 @@ pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 pub use listing::{ExecutionCounts, ExecutionSummary, ListFilter, QueueDepth, RegisteredWorkflow};
 pub use members::{MemberFilter, MemberPage, MemberStatus, MemberSummary, UnknownMemberStatus};
+pub use notifications::Notification;
 pub use outputs::{BlockMember, BlockOutputs, DEFAULT_INLINE_BLOCK_INPUT, MAX_MAP_WIDTH};
 pub use queue::Outcome;
 pub use registry::{WorkerInfo, WorkerState, WORKER_RETENTION};

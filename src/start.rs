@@ -23,6 +23,7 @@ pub struct StartOptions {
     version: Option<i32>,
     idempotency_key: Option<String>,
     deadline: Option<Duration>,
+    callback: Option<String>,
 }
 
 impl StartOptions {
@@ -61,6 +62,33 @@ impl StartOptions {
         self
     }
 
+    /// Announces the execution's end (completed, failed, cancelled or timed out) with a
+    /// POST to `url`, instead of its workflow's [`callback`](crate::Workflow::callback).
+    ///
+    /// The notification is written in the transaction that ends the execution, so it
+    /// exists if and only if the end commits; a worker with webhook delivery turned on
+    /// (the `webhooks` feature) posts it afterwards, at least once, retrying with
+    /// backoff, signed with HMAC-SHA256; [`Engine::notifications`](crate::Engine::notifications)
+    /// shows how delivery went. The form is checked when the execution starts
+    /// ([`Error::InvalidCallback`]); where it points is checked at delivery.
+    pub fn callback(mut self, url: impl Into<String>) -> Self {
+        self.callback = Some(url.into());
+        self
+    }
+
+    /// The callback, checked.
+    fn checked_callback(&self) -> Result<Option<&str>> {
+        match &self.callback {
+            None => Ok(None),
+            Some(url) => crate::callback::check(url)
+                .map(|()| Some(url.as_str()))
+                .map_err(|reason| crate::Error::InvalidCallback {
+                    url: url.clone(),
+                    reason,
+                }),
+        }
+    }
+
     /// The deadline in milliseconds from now, capped at a century.
     fn deadline_ms(&self) -> Option<i64> {
         self.deadline.map(|d| {
@@ -85,7 +113,8 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::WorkflowNotFound`]; [`Error::InvalidInput`] when the first stage is a map
-    /// and the input is not an array; [`Error::Json`]; [`Error::Database`].
+    /// and the input is not an array; [`Error::InvalidCallback`]; [`Error::Json`];
+    /// [`Error::Database`].
     ///
     /// # Cancel safety
     /// The start is one transaction: dropped before it commits, nothing was started.
@@ -166,6 +195,7 @@ impl Engine {
             .definition_to_start(conn, workflow, options.version)
             .await?;
         check_input(&definition, &input, None)?;
+        let callback_url = options.checked_callback()?;
         let deadline_ms = options.deadline_ms();
         let (id, created) = executions::insert(
             conn,
@@ -177,6 +207,7 @@ impl Engine {
                 idempotency_key: options.idempotency_key.as_deref(),
                 fan_in: self.fan_in(),
                 deadline_ms,
+                callback_url,
             },
         )
         .await?;
@@ -213,7 +244,7 @@ impl Engine {
     ///
     /// # Errors
     /// As [`start`](Self::start), for any item (then nothing is started): an
-    /// [`Error::InvalidInput`] names the item.
+    /// [`Error::InvalidInput`] names the item; [`Error::InvalidCallback`].
     ///
     /// # Cancel safety
     /// One transaction: dropped before it commits, nothing was started.
@@ -224,6 +255,7 @@ impl Engine {
     {
         let mut items = Vec::new();
         for (input, options) in starts {
+            options.checked_callback()?;
             items.push((serde_json::to_value(input)?, options));
         }
         let mut tx = crate::store::begin(self.pool()).await?;
@@ -247,6 +279,7 @@ impl Engine {
                     input: &items[i].0,
                     idempotency_key: items[i].1.idempotency_key.as_deref(),
                     deadline_ms: items[i].1.deadline_ms(),
+                    callback_url: items[i].1.callback.as_deref(),
                 })
                 .collect();
             let started =

@@ -32,6 +32,8 @@ pub struct Args {
     #[arg(long, default_value_t = 5_000, requires = "demo")]
     demo_width: u64,
     #[command(flatten)]
+    webhooks: crate::worker::WebhookArgs,
+    #[command(flatten)]
     target: crate::DatabaseArg,
 }
 
@@ -63,6 +65,7 @@ pub async fn run(database_url: Option<&str>, args: Args) -> anyhow::Result<ExitC
     let options = database_options(&server, &args).await?;
     let engine = crate::connect(&options, 8).await?;
     engine.migrate().await?;
+    let webhooks = args.webhooks.start(&engine)?;
     let demo = if args.demo {
         Some(Demo::start(&engine, &options, args.demo_width).await?)
     } else {
@@ -103,6 +106,9 @@ pub async fn run(database_url: Option<&str>, args: Args) -> anyhow::Result<ExitC
     drop(stop);
     if let Some(demo) = demo {
         demo.stop().await;
+    }
+    if let Some(webhooks) = webhooks {
+        webhooks.shutdown().await;
     }
     result?;
     eprintln!("stopped");

@@ -24,6 +24,46 @@ pub struct Args {
     /// The database to work in (on the configured server).
     #[arg(long)]
     database: Option<String>,
+    #[command(flatten)]
+    webhooks: WebhookArgs,
+}
+
+/// Delivering the webhooks that announce executions' ends (`worker` and `serve` both do,
+/// sharing the outbox).
+#[derive(clap::Args)]
+pub struct WebhookArgs {
+    /// Deliver no webhooks from this process.
+    #[arg(long)]
+    no_webhooks: bool,
+    /// Post webhooks to loopback, private and link-local addresses too (refused by
+    /// default: a callback URL comes from whoever starts an execution).
+    #[arg(long)]
+    allow_private_webhooks: bool,
+}
+
+/// Where the webhook signing secret comes from: never a flag, which `ps` shows.
+const WEBHOOK_SECRET_ENV: &str = "CONFLUO_WEBHOOK_SECRET";
+
+impl WebhookArgs {
+    /// Starts delivering, unless turned off; signed with `CONFLUO_WEBHOOK_SECRET` when set.
+    pub fn start(
+        &self,
+        engine: &Engine,
+    ) -> anyhow::Result<Option<confluo::webhooks::WebhookDelivery>> {
+        if self.no_webhooks {
+            return Ok(None);
+        }
+        let mut builder = engine.webhooks();
+        match std::env::var(WEBHOOK_SECRET_ENV) {
+            Ok(secret) if !secret.trim().is_empty() => builder = builder.secret(secret.trim()),
+            Ok(_) => anyhow::bail!("{WEBHOOK_SECRET_ENV} is empty: set a long random secret, or unset it to send unsigned webhooks"),
+            Err(_) => tracing::info!("{WEBHOOK_SECRET_ENV} is not set: webhooks go unsigned"),
+        }
+        if self.allow_private_webhooks {
+            builder = builder.allow_private_targets();
+        }
+        Ok(Some(builder.start()))
+    }
 }
 
 /// Installs the Prometheus recorder and its HTTP listener on `addr`.
@@ -57,6 +97,7 @@ pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCo
     );
     engine.migrate().await?;
     crate::demo::register_unless_there(&engine).await?;
+    let webhooks = args.webhooks.start(&engine)?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
         let id = format!("confluo-worker-{}-{i}", std::process::id());
@@ -84,6 +125,9 @@ pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCo
     let mut stopping = tokio::task::JoinSet::new();
     for worker in workers {
         stopping.spawn(worker.shutdown());
+    }
+    if let Some(webhooks) = webhooks {
+        stopping.spawn(webhooks.shutdown());
     }
     while stopping.join_next().await.is_some() {}
     eprintln!("stopped");

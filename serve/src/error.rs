@@ -92,6 +92,7 @@ impl From<confluo::Error> for ApiError {
             E::ExecutionNotResumable { .. } => (StatusCode::CONFLICT, "execution_not_resumable"),
             E::DeadlinePassed { .. } => (StatusCode::CONFLICT, "deadline_passed"),
             E::InvalidInput { .. } => (StatusCode::BAD_REQUEST, "invalid_input"),
+            E::InvalidCallback { .. } => (StatusCode::BAD_REQUEST, "invalid_callback"),
             E::MapTooWide { .. } => (StatusCode::BAD_REQUEST, "map_too_wide"),
             E::Json(_) => (StatusCode::BAD_REQUEST, "invalid_json"),
             E::NotMigrated { .. } => (StatusCode::SERVICE_UNAVAILABLE, "not_migrated"),

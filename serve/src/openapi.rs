@@ -4,7 +4,7 @@
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::api::{dead_letters, executions, system};
+use crate::api::{dead_letters, executions, notifications, system};
 
 /// The API's OpenAPI document: `ApiDoc::openapi()`, served at `/api/v1/openapi.json`.
 #[derive(Debug, OpenApi)]
@@ -21,6 +21,8 @@ use crate::api::{dead_letters, executions, system};
         executions::get,
         executions::cancel,
         executions::members,
+        notifications::of_execution,
+        notifications::list,
         dead_letters::list,
         dead_letters::show,
         dead_letters::reprocess,
@@ -36,6 +38,7 @@ use crate::api::{dead_letters, executions, system};
     tags(
         (name = "executions", description = "Start, list, inspect and cancel executions"),
         (name = "dead letters", description = "Members that kept failing, and reprocessing them"),
+        (name = "notifications", description = "Webhooks announcing executions' ends, and their delivery"),
         (name = "system", description = "Probes, workflows, workers and stats"),
     )
 )]

@@ -514,6 +514,8 @@ async fn the_openapi_document_describes_every_route() {
         ("get", "/api/v1/executions/{id}"),
         ("post", "/api/v1/executions/{id}/cancel"),
         ("get", "/api/v1/executions/{id}/stages/{stage}/members"),
+        ("get", "/api/v1/executions/{id}/notifications"),
+        ("get", "/api/v1/notifications"),
         ("get", "/api/v1/dead-letters"),
         ("get", "/api/v1/dead-letters/{task}"),
         ("post", "/api/v1/dead-letters/{task}/reprocess"),

@@ -41,6 +41,8 @@ pub(crate) struct NewExecution<'a> {
     pub fan_in: FanInStrategy,
     /// Its deadline, this many milliseconds from now.
     pub deadline_ms: Option<i64>,
+    /// Where to announce its end (the notification trigger reads it).
+    pub callback_url: Option<&'a str>,
 }
 
 /// Inserts a running execution. With an idempotency key already taken, inserts nothing
@@ -58,11 +60,13 @@ pub(crate) async fn insert(
         idempotency_key,
         fan_in,
         deadline_ms,
+        callback_url,
     } = new;
     let inserted: Option<ExecutionId> = sqlx::query_scalar(
         "INSERT INTO confluo.execution
-                (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at)
-         VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 millisecond')
+                (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at,
+                 callback_url)
+         VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 millisecond', $8)
          ON CONFLICT (workflow_name, idempotency_key) DO NOTHING
          RETURNING id",
     )
@@ -73,6 +77,7 @@ pub(crate) async fn insert(
     .bind(idempotency_key)
     .bind(fan_in.as_str())
     .bind(deadline_ms)
+    .bind(callback_url)
     .fetch_optional(&mut *conn)
     .await?;
     if let Some(id) = inserted {
@@ -96,6 +101,8 @@ pub(crate) struct NewExecutionRow<'a> {
     pub idempotency_key: Option<&'a str>,
     /// Its deadline, this many milliseconds from now.
     pub deadline_ms: Option<i64>,
+    /// Where to announce its end.
+    pub callback_url: Option<&'a str>,
 }
 
 /// [`insert`] for many executions of one workflow version, in one statement (plus one to
@@ -112,12 +119,15 @@ pub(crate) async fn insert_many(
     let inputs: Vec<Json<&Value>> = rows.iter().map(|r| Json(r.input)).collect();
     let keys: Vec<Option<&str>> = rows.iter().map(|r| r.idempotency_key).collect();
     let deadlines: Vec<Option<i64>> = rows.iter().map(|r| r.deadline_ms).collect();
+    let callbacks: Vec<Option<&str>> = rows.iter().map(|r| r.callback_url).collect();
     let inserted: Vec<ExecutionId> = sqlx::query_scalar(
         "INSERT INTO confluo.execution
-                (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at)
-         SELECT v.id, $5, $6, v.input, v.key, $7, now() + v.deadline_ms * interval '1 millisecond'
-           FROM unnest($1::uuid[], $2::jsonb[], $3::text[], $4::int8[])
-                WITH ORDINALITY AS v(id, input, key, deadline_ms, ord)
+                (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at,
+                 callback_url)
+         SELECT v.id, $5, $6, v.input, v.key, $7, now() + v.deadline_ms * interval '1 millisecond',
+                v.callback_url
+           FROM unnest($1::uuid[], $2::jsonb[], $3::text[], $4::int8[], $8::text[])
+                WITH ORDINALITY AS v(id, input, key, deadline_ms, callback_url, ord)
           -- Keys are taken in one order in every batch, so that batches sharing keys
           -- cannot deadlock on them.
           ORDER BY v.key, v.ord
@@ -131,6 +141,7 @@ pub(crate) async fn insert_many(
     .bind(workflow.name())
     .bind(workflow.version())
     .bind(fan_in.as_str())
+    .bind(&callbacks)
     .fetch_all(&mut *conn)
     .await?;
     let inserted: std::collections::HashSet<ExecutionId> = inserted.into_iter().collect();

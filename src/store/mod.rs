@@ -27,6 +27,7 @@ pub(crate) mod fan_in;
 pub(crate) mod groups;
 pub(crate) mod locks;
 pub(crate) mod members;
+pub(crate) mod notifications;
 pub(crate) mod outputs;
 pub(crate) mod plans;
 pub(crate) mod tasks;

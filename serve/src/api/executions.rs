@@ -35,6 +35,10 @@ pub(crate) struct StartRequest {
     idempotency_key: Option<String>,
     /// Seconds the execution has to finish; past them it is timed out.
     deadline_seconds: Option<f64>,
+    /// A URL to POST to when it ends (a webhook through the outbox), instead of its
+    /// workflow's.
+    #[schema(example = "https://hooks.example.com/confluo")]
+    callback: Option<String>,
 }
 
 /// A started execution.
@@ -67,6 +71,9 @@ pub(crate) async fn start(
     }
     if let Some(key) = request.idempotency_key {
         options = options.idempotency_key(key);
+    }
+    if let Some(url) = request.callback {
+        options = options.callback(url);
     }
     if let Some(seconds) = request.deadline_seconds {
         let deadline = Duration::try_from_secs_f64(seconds)

@@ -3,6 +3,7 @@
 
 pub(crate) mod dead_letters;
 pub(crate) mod executions;
+pub(crate) mod notifications;
 pub(crate) mod system;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
@@ -28,6 +29,11 @@ pub(crate) fn routes(state: AppState) -> Router {
             "/executions/{id}/stages/{stage}/members",
             get(executions::members),
         )
+        .route(
+            "/executions/{id}/notifications",
+            get(notifications::of_execution),
+        )
+        .route("/notifications", get(notifications::list))
         .route("/dead-letters", get(dead_letters::list))
         .route(
             "/dead-letters/reprocess",
