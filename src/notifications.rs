@@ -96,4 +96,17 @@ impl Engine {
         let rows = notifications::list(self.pool(), status, limit).await?;
         Ok(rows.into_iter().map(Notification::from).collect())
     }
+
+    /// Sends a `failed` notification again: back in the queue with a fresh attempt
+    /// budget, due now (e.g. once its receiver is fixed). Returns whether it was failed;
+    /// a pending or delivered one is left as it is.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// One statement: dropped, it happened or it did not.
+    pub async fn retry_notification(&self, id: Uuid) -> Result<bool> {
+        notifications::retry(self.pool(), id).await
+    }
 }

@@ -440,4 +440,22 @@ async fn private_targets_are_refused_unless_allowed() {
         receiver.received().is_empty(),
         "a refused target was reached"
     );
+
+    // Once allowed, a failed notification is sent again on request, once.
+    let failed = notifications(&db.engine, ids[0]).await.remove(0);
+    assert!(db.engine.retry_notification(failed.id).await.unwrap());
+    assert!(
+        !db.engine.retry_notification(failed.id).await.unwrap(),
+        "it is pending now"
+    );
+    let delivery = db
+        .engine
+        .webhooks()
+        .allow_private_targets()
+        .poll_interval(Duration::from_millis(20))
+        .start();
+    assert!(eventually(Duration::from_secs(30), || delivered(&db.engine, ids[0], 1)).await);
+    delivery.shutdown().await;
+    assert_eq!(receiver.received().len(), 1);
+    assert_eq!(notifications(&db.engine, ids[0]).await[0].attempts, 1);
 }

@@ -286,7 +286,8 @@ function reprocessButton(task) {
 async function executionView(view, id) {
   const p = params();
   const head = h("div"), stages = h("div"), members = h("div"), dead = h("div"), detail = h("div", { id: "member-detail" });
-  view.replaceChildren(head, stages, members, detail, dead);
+  const hooks = h("div", { id: "notifications" });
+  view.replaceChildren(head, stages, members, detail, dead, hooks);
   let stageIndex = p.has("stage") ? Number(p.get("stage")) : null;
   const memberStatus = p.get("member_status") || "";
   const after = p.get("after");
@@ -296,7 +297,10 @@ async function executionView(view, id) {
     const q = new URLSearchParams({ limit: "50" });
     if (after) q.set("after", after);
     if (memberStatus) q.set("status", memberStatus);
-    const page = x.stages.length ? await api(`/executions/${id}/stages/${stageIndex}/members?${q}`) : { members: [], next_after: null };
+    const [page, notifications] = await Promise.all([
+      x.stages.length ? api(`/executions/${id}/stages/${stageIndex}/members?${q}`) : { members: [], next_after: null },
+      api(`/executions/${id}/notifications`),
+    ]);
     if (!current()) return;
     const cancel = x.status === "running" ? h("button", { class: "danger", id: "cancel-button", text: "Cancel" }) : null;
     if (cancel) cancel.addEventListener("click", () => act(cancel, () => api(`/executions/${id}/cancel`, { method: "POST" }), () => "cancelled"));
@@ -344,6 +348,13 @@ async function executionView(view, id) {
       table(["stage", "item#", "attempts#", "error", ""], x.dead_letters.map((d) => h("tr", { "data-dead": d.task_id },
         h("td", { text: d.handler }), h("td", { class: "num", text: d.item_index }), h("td", { class: "num", text: d.attempts }),
         h("td", { text: d.errors.length ? d.errors[d.errors.length - 1].error : "" }), h("td", {}, reprocessButton(d.task_id)))), "none"));
+    hooks.replaceChildren(...(notifications.length ? [h("h2", { text: "Webhooks" }),
+      table(["event", "url", "status", "attempts#", "last answer", "last error", "written", "delivered"],
+        notifications.map((n) => h("tr", { "data-notification": n.id },
+          h("td", { text: n.event }), h("td", { class: "mono", text: n.url }), h("td", {}, status(n.status)),
+          h("td", { class: "num", text: n.attempts }), h("td", { class: "num", text: n.last_status === null ? "—" : n.last_status }),
+          h("td", { class: "muted", text: n.last_error || "" }), h("td", {}, when(n.created_at)), h("td", {}, when(n.delivered_at)))),
+        "none")] : []));
   });
 }
 

@@ -23,6 +23,7 @@ use crate::api::{dead_letters, executions, notifications, system};
         executions::members,
         notifications::of_execution,
         notifications::list,
+        notifications::retry,
         dead_letters::list,
         dead_letters::show,
         dead_letters::reprocess,

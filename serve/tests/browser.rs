@@ -2,7 +2,8 @@
 //! (chromedriver) by fantoccini. A map is started from the page's form; its countdown is
 //! watched on the page going from its width to zero while the test lets members finish a
 //! few at a time; the step after it fails for good, and the dead letter is reprocessed by
-//! clicking the page's button until the page shows the execution completed.
+//! clicking the page's button until the page shows the execution completed, and both
+//! ends' webhook notifications.
 //!
 //! Without chromedriver on the machine the test says so and passes, unless
 //! `CONFLUO_REQUIRE_BROWSER=1` (which `.ci/run` sets, after installing Chromium): then it
@@ -47,12 +48,16 @@ fn find(binary: &str) -> Option<std::path::PathBuf> {
 }
 
 async fn engine() -> Engine {
+    engine_in("confluo_serve_browser").await
+}
+
+async fn engine_in(database: &str) -> Engine {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| {
         confluo_testkit::server::process_local_url()
             .expect("no DATABASE_URL, and no throwaway PostgreSQL could start")
     });
     let admin: sqlx::postgres::PgConnectOptions = url.parse().expect("a PostgreSQL URL");
-    let options = confluo_testkit::fresh_database(&admin, "confluo_serve_browser")
+    let options = confluo_testkit::fresh_database(&admin, database)
         .await
         .unwrap();
     let engine = confluo::ConnectBuilder::from_options(options)
@@ -159,7 +164,9 @@ async fn the_dashboard_shows_a_countdown_and_reprocesses_a_dead_letter() {
         .register(
             &Workflow::new("browser", 1)
                 .stage(confluo::Stage::map("item"))
-                .step("finish"),
+                .step("finish")
+                // No delivery loop runs here: the page shows the notifications pending.
+                .callback("https://hooks.example.com/browser"),
         )
         .await
         .unwrap();
@@ -307,6 +314,12 @@ async fn the_dashboard_shows_a_countdown_and_reprocesses_a_dead_letter() {
     watch(&client, "h1 .status", |t| t == "completed").await;
     let output = watch(&client, "#output", |t| t.contains("finished")).await;
     assert!(output.last().unwrap().contains("finished"));
+    // Each end (the failure, then the completion) wrote a notification, shown pending.
+    let hooks = watch(&client, "#notifications", |t| {
+        t.contains("execution.failed") && t.contains("execution.completed")
+    })
+    .await;
+    assert!(hooks.last().unwrap().contains("pending"), "{hooks:?}");
     let done = engine.execution(id).await.unwrap();
     assert_eq!(done.status, confluo::ExecutionStatus::Completed);
     assert_eq!(done.output, Some(json!("finished")));
@@ -326,6 +339,53 @@ async fn the_dashboard_shows_a_countdown_and_reprocesses_a_dead_letter() {
 
     client.close().await.unwrap();
     worker.shutdown().await;
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
+
+/// With a token configured, the page asks for it, and with it reads the API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_asks_for_the_token() {
+    let Some((_driver, client)) = browser().await else {
+        return;
+    };
+    let engine = engine_in("confluo_serve_browser_token").await;
+    let port = free_port();
+    let config = confluo_serve::Config::new(([127, 0, 0, 1], port).into()).token("s3cret-token");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        confluo_serve::serve(engine, &config, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    client
+        .goto(&format!("http://127.0.0.1:{port}/"))
+        .await
+        .unwrap();
+    // The API answered 401: the dialog is open.
+    client
+        .wait()
+        .for_element(Locator::Css("#token-dialog[open]"))
+        .await
+        .unwrap();
+    let input = client.find(Locator::Css("#token-input")).await.unwrap();
+    input.send_keys("s3cret-token").await.unwrap();
+    client
+        .find(Locator::Css("#token-form button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    // With it, the counts load.
+    let running = watch(&client, "#stat-running", |t| t == "0").await;
+    assert_eq!(running.last().unwrap(), "0");
+    assert!(client
+        .find(Locator::Css("#token-dialog[open]"))
+        .await
+        .is_err());
+    client.close().await.unwrap();
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
 }

@@ -146,3 +146,17 @@ pub(crate) async fn attempt_failed<'e, E: PgExecutor<'e>>(
     .await?;
     Ok(())
 }
+
+/// Puts a failed notification back in the queue with a fresh attempt budget, due now.
+/// Whether it was failed (a delivered or pending one is left as it is).
+pub(crate) async fn retry<'e, E: PgExecutor<'e>>(executor: E, id: Uuid) -> Result<bool> {
+    let done = sqlx::query(
+        "UPDATE confluo.notification
+            SET status = 'pending', attempts = 0, next_attempt_at = now()
+          WHERE id = $1 AND status = 'failed'",
+    )
+    .bind(id)
+    .execute(executor)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}

@@ -34,6 +34,7 @@ pub(crate) fn routes(state: AppState) -> Router {
             get(notifications::of_execution),
         )
         .route("/notifications", get(notifications::list))
+        .route("/notifications/{id}/retry", post(notifications::retry))
         .route("/dead-letters", get(dead_letters::list))
         .route(
             "/dead-letters/reprocess",

@@ -1,10 +1,11 @@
 //! Webhook notifications: how the announcements of executions' ends are being delivered.
 
 use axum::extract::State;
+use axum::http::StatusCode;
 use axum::Json;
 use confluo::{ExecutionId, Notification};
-use serde::Deserialize;
-use utoipa::IntoParams;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::{limit, Params, PathOf};
@@ -67,5 +68,35 @@ pub(crate) async fn list(
             .engine
             .notifications_in(query.status.as_deref(), limit)
             .await?,
+    ))
+}
+
+/// What a retry did.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct RetryResponse {
+    /// Always true: a notification that was not failed answers 409.
+    retried: bool,
+}
+
+/// Sends a failed notification again, with a fresh attempt budget, now.
+#[utoipa::path(
+    post, path = "/api/v1/notifications/{id}/retry", tag = "notifications",
+    params(("id" = Uuid, Path, description = "The notification")),
+    responses(
+        (status = 200, description = "Queued again", body = RetryResponse),
+        (status = 409, description = "It is not failed (pending, delivered, or unknown)", body = ApiError),
+    )
+)]
+pub(crate) async fn retry(
+    State(state): State<AppState>,
+    PathOf(id): PathOf<Uuid>,
+) -> Result<Json<RetryResponse>, ApiError> {
+    if state.engine.retry_notification(id).await? {
+        return Ok(Json(RetryResponse { retried: true }));
+    }
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "not_failed",
+        format!("notification {id} is not failed (it is pending, delivered, or unknown): only a failed one is sent again"),
     ))
 }
