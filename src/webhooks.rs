@@ -14,8 +14,10 @@
 //!
 //! # What a receiver gets
 //! A `POST` with a JSON body `{"id", "event", "created_at", "execution": {"execution_id",
-//! "workflow", "version", "status", "error", "finished_at"}}` (the output is not in it:
-//! `GET /api/v1/executions/{id}` or [`Engine::execution`](crate::Engine::execution) has it)
+//! "workflow", "version", "status", "error", "finished_at", "output"}}`; `output` is there
+//! for a completed execution, read when posting, up to [`MAX_OUTPUT_BYTES`] of JSON (`null`
+//! beyond: `GET /api/v1/executions/{id}` or [`Engine::execution`](crate::Engine::execution)
+//! has it)
 //! and the headers `Confluo-Event`, `Confluo-Idempotency-Key` (the notification's id: the
 //! same on every attempt, so a receiver drops what it has seen), `Confluo-Attempt`, and with
 //! a secret `Confluo-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`.
@@ -278,13 +280,17 @@ async fn post(
             return Err(Failure::new(refused(ip)));
         }
     }
-    let body = serde_json::to_vec(&json!({
+    let mut body = json!({
         "id": row.id,
         "event": row.event,
         "created_at": row.created_at,
         "execution": row.payload.0,
-    }))
-    .map_err(Failure::new)?;
+    });
+    if row.event == "execution.completed" {
+        let output = completed_output(&config.engine, row.execution_id).await?;
+        body["execution"]["output"] = output;
+    }
+    let body = serde_json::to_vec(&body).map_err(Failure::new)?;
     let mut request = hyper::Request::post(uri)
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .header(
@@ -324,6 +330,34 @@ async fn post(
             error: format!("the receiver answered {status}"),
         })
     }
+}
+
+/// The largest output a notification carries.
+pub const MAX_OUTPUT_BYTES: usize = 256 * 1024;
+
+/// A completed execution's output for its notification: `null` when it is larger than
+/// [`MAX_OUTPUT_BYTES`] as JSON (the receiver reads it from the execution) or when the
+/// execution was purged since.
+async fn completed_output(
+    engine: &Engine,
+    id: crate::ExecutionId,
+) -> Result<serde_json::Value, Failure> {
+    let execution = match engine.execution(id).await {
+        Ok(execution) => execution,
+        Err(crate::Error::ExecutionNotFound(_)) => return Ok(serde_json::Value::Null),
+        Err(error) => {
+            return Err(Failure::new(format!(
+                "cannot read the execution's output: {error}"
+            )))
+        }
+    };
+    let output = execution.output.unwrap_or_default();
+    let size = serde_json::to_vec(&output).map_or(usize::MAX, |b| b.len());
+    Ok(if size <= MAX_OUTPUT_BYTES {
+        output
+    } else {
+        serde_json::Value::Null
+    })
 }
 
 /// `t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`.

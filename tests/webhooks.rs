@@ -217,6 +217,7 @@ async fn each_end_is_announced_once_signed_with_its_idempotency_key() {
     assert_eq!(got[0].body["event"], "execution.completed");
     assert_eq!(got[0].body["execution"]["execution_id"], first.to_string());
     assert_eq!(got[0].body["execution"]["status"], "completed");
+    assert_eq!(got[0].body["execution"]["output"], "charged");
     verify(b"s3cret", &got[0]);
     assert_eq!(other.received().len(), 1);
     assert_eq!(
