@@ -8,7 +8,7 @@ const SVG = "http://www.w3.org/2000/svg";
 
 let refresh = null; // the current view's refresh timer
 let generation = 0; // bumped on navigation: stale renders drop their results
-const queueSamples = []; // {t, due, running}, sampled while the page is open
+const queueSamples = []; // {t, due, running}, sampled by this page between the server's
 
 // ---- helpers -------------------------------------------------------------------------
 
@@ -159,13 +159,16 @@ async function act(button, what, done) {
 
 // ---- executions ----------------------------------------------------------------------
 
-function chart(perMinute) {
+function chart(perMinute, history) {
   const width = 900, height = 180, left = 40, bottom = 20, top = 10;
   const now = Date.now();
   const start = now - 60 * 60 * 1000;
   const x = (t) => left + ((t - start) / (now - start)) * (width - left - 10);
   const maxDone = Math.max(1, ...perMinute.map((m) => m.completed + m.dead));
-  const samples = queueSamples.filter((s) => s.t >= start);
+  // The server's samples (every 15 s over the hour), then this page's since its last one.
+  const served = history.map((s) => ({ t: Date.parse(s.at), due: s.due, running: s.running }));
+  const since = served.length ? served[served.length - 1].t : 0;
+  const samples = served.concat(queueSamples.filter((s) => s.t > since)).filter((s) => s.t >= start);
   const maxQueue = Math.max(1, ...samples.map((s) => s.due + s.running));
   const yDone = (n) => height - bottom - (n / maxDone) * (height - bottom - top);
   const yQueue = (n) => height - bottom - (n / maxQueue) * (height - bottom - top);
@@ -245,7 +248,7 @@ async function executionsView(view) {
         card(`fired → next stage claimed, p50 / p95 (${a.hand_over.in_firing_transaction} of ${a.hand_over.groups} in the firing transaction)`,
           `${fmtMs(a.hand_over.p50_ms)} / ${fmtMs(a.hand_over.p95_ms)}`)),
       h("h2", { text: "Members finished per minute, and the queue's depth" }),
-      chart(a.per_minute));
+      chart(a.per_minute, stats.queue_history || []));
     list.replaceChildren(table(["execution", "workflow", "status", "stage", "started", "finished", "error"],
       executions.map((x) => h("tr", { "data-execution": x.id },
         h("td", {}, link(`#/executions/${x.id}`, short(x.id), { class: "mono" })),

@@ -34,6 +34,7 @@ mod api;
 mod auth;
 mod dashboard;
 mod error;
+mod history;
 mod openapi;
 
 use std::future::Future;
@@ -120,10 +121,13 @@ pub(crate) struct AppState {
     pub(crate) token: Option<Arc<str>>,
     pub(crate) writes: bool,
     pub(crate) activity: Arc<activity::Cached>,
+    pub(crate) queue_history: Arc<history::QueueHistory>,
 }
 
-/// The API's routes under `/api/v1`, checked against `config` (the token rule, the
-/// write switch). The listen address is not used here: mount it where you like.
+/// The API's routes under `/api/v1` and the dashboard, checked against `config` (the
+/// token rule, the write switch). The listen address is not used here: mount it where you
+/// like. Called inside a tokio runtime, it also samples the queue's depth every 15 s for
+/// the stats' last hour (until the router is dropped).
 ///
 /// # Errors
 /// [`ServeError::TokenRequired`] when `config` listens beyond loopback with no token;
@@ -131,6 +135,7 @@ pub(crate) struct AppState {
 pub fn router(engine: Engine, config: &Config) -> Result<Router, ServeError> {
     config.check()?;
     let state = AppState {
+        queue_history: history::QueueHistory::start(engine.clone()),
         engine,
         token: config.token.as_deref().map(Arc::from),
         writes: config.writes,

@@ -691,6 +691,22 @@ async fn members_page_by_page() {
     let p50 = activity["hand_over"]["p50_ms"].as_f64().unwrap();
     assert!((0.0..60_000.0).contains(&p50), "{stats}");
 
+    // The server samples the queue's depth from the router's start (then every 15 s).
+    let mut history = Value::Null;
+    for _ in 0..100 {
+        history = call(&app, Method::GET, "/api/v1/stats", None).await.1["queue_history"].clone();
+        if !history.as_array().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        (history[0]["due"].clone(), history[0]["running"].clone()),
+        (json!(0), json!(0)),
+        "{history}"
+    );
+    assert!(history[0]["at"].is_string(), "{history}");
+
     let base = format!("/api/v1/executions/{id}/stages/0/members");
 
     let mut seen = Vec::new();

@@ -93,6 +93,8 @@ pub(crate) struct Stats {
     /// Over the last hour: tasks by status, members finished per minute, the fan-in's
     /// hand-over time (read at most every few seconds, however many ask).
     activity: Activity,
+    /// The queue's depth over the last hour, sampled by the server every 15 s, oldest first.
+    queue_history: Vec<crate::history::DepthSample>,
 }
 
 /// Workers by state.
@@ -133,5 +135,6 @@ pub(crate) async fn stats(State(state): State<AppState>) -> Result<Json<Stats>, 
         queue,
         workers: counts,
         activity,
+        queue_history: state.queue_history.samples(),
     }))
 }
