@@ -63,7 +63,8 @@ impl StartOptions {
     }
 
     /// Announces the execution's end (completed, failed, cancelled or timed out) with a
-    /// POST to `url`, instead of its workflow's [`callback`](crate::Workflow::callback).
+    /// POST to `url`, instead of its workflow's [`callback`](crate::Workflow::callback)
+    /// (which, like the rest of the definition, is pinned when the execution starts).
     ///
     /// The notification is written in the transaction that ends the execution, so it
     /// exists if and only if the end commits; a worker with webhook delivery turned on
@@ -195,7 +196,8 @@ impl Engine {
             .definition_to_start(conn, workflow, options.version)
             .await?;
         check_input(&definition, &input, None)?;
-        let callback_url = options.checked_callback()?;
+        // Pinned now, as the rest of the definition is: its own, else its workflow's.
+        let callback_url = options.checked_callback()?.or(definition.callback_url());
         let deadline_ms = options.deadline_ms();
         let (id, created) = executions::insert(
             conn,
@@ -279,7 +281,7 @@ impl Engine {
                     input: &items[i].0,
                     idempotency_key: items[i].1.idempotency_key.as_deref(),
                     deadline_ms: items[i].1.deadline_ms(),
-                    callback_url: items[i].1.callback.as_deref(),
+                    callback_url: items[i].1.callback.as_deref().or(definition.callback_url()),
                 })
                 .collect();
             let started =

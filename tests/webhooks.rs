@@ -239,6 +239,12 @@ async fn each_end_is_announced_once_signed_with_its_idempotency_key() {
     assert_eq!(receiver.received().len(), 2);
     delivery.shutdown().await;
 
+    // No callback, no notification (the trigger does not even run).
+    db.register(&Workflow::new("quiet", 1).step("charge")).await;
+    let quiet = db.engine.start("quiet", &5).await.unwrap();
+    assert!(db.engine.cancel(quiet).await.unwrap());
+    assert!(notifications(&db.engine, quiet).await.is_empty());
+
     // A malformed callback is refused before anything starts.
     let refused = db
         .engine
