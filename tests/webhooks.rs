@@ -245,6 +245,10 @@ async fn each_end_is_announced_once_signed_with_its_idempotency_key() {
     assert!(db.engine.cancel(quiet).await.unwrap());
     assert!(notifications(&db.engine, quiet).await.is_empty());
 
+    // Delivered (or without a webhook), they can be purged.
+    let later = chrono::Utc::now() + chrono::Duration::minutes(1);
+    assert_eq!(db.engine.purge(later, 100).await.unwrap(), 4);
+
     // A malformed callback is refused before anything starts.
     let refused = db
         .engine
@@ -401,6 +405,10 @@ async fn an_end_that_rolls_back_announces_nothing() {
         (written[0].event.as_str(), written[0].status.as_str()),
         ("execution.cancelled", "pending")
     );
+    // Its webhook is pending: purge keeps the execution (and so the notification).
+    let later = chrono::Utc::now() + chrono::Duration::minutes(1);
+    assert_eq!(db.engine.purge(later, 100).await.unwrap(), 0);
+    assert_eq!(notifications(&db.engine, id).await.len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

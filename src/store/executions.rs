@@ -442,7 +442,9 @@ where
 {
     Ok(sqlx::query_scalar(
         "SELECT count(*) FROM confluo.execution
-          WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1",
+          WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1
+            AND NOT EXISTS (SELECT 1 FROM confluo.notification n
+                             WHERE n.execution_id = execution.id AND n.status = 'pending')",
     )
     .bind(cutoff)
     .fetch_one(executor)
@@ -461,6 +463,9 @@ where
         "DELETE FROM confluo.execution WHERE id IN (
             SELECT id FROM confluo.execution
              WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1
+               -- Its end's webhook is still to be delivered: kept until it is (or fails).
+               AND NOT EXISTS (SELECT 1 FROM confluo.notification n
+                                WHERE n.execution_id = execution.id AND n.status = 'pending')
              ORDER BY finished_at
              LIMIT $2
                FOR UPDATE SKIP LOCKED)",
