@@ -100,7 +100,9 @@ pub use fanin::{FanInStrategy, UnknownStrategy};
 pub use handler::{BoxFuture, Handler, ResultExt, TaskContext, TaskError};
 pub use ids::{ExecutionId, GroupId, LeaseToken, TaskId};
 pub use listing::{ExecutionCounts, ExecutionSummary, ListFilter, QueueDepth, RegisteredWorkflow};
-pub use members::{MemberFilter, MemberPage, MemberStatus, MemberSummary, UnknownMemberStatus};
+pub use members::{
+    MemberDetail, MemberFilter, MemberPage, MemberStatus, MemberSummary, UnknownMemberStatus,
+};
 pub use notifications::Notification;
 pub use outputs::{BlockMember, BlockOutputs, DEFAULT_INLINE_BLOCK_INPUT, MAX_MAP_WIDTH};
 pub use queue::Outcome;

@@ -5,9 +5,11 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::engine::Engine;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::execution::AttemptError;
 use crate::ids::{ExecutionId, TaskId};
 use crate::store::members::{self, MemberListRow};
+use serde_json::Value;
 
 /// One member of a stage, as [`Engine::members`] and [`Engine::member_page`] list it.
 #[derive(Debug, Clone, Serialize)]
@@ -173,7 +175,54 @@ pub struct MemberPage {
     pub next_after: Option<u32>,
 }
 
+/// One member in full, as [`Engine::member`] returns it.
+#[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[non_exhaustive]
+pub struct MemberDetail {
+    /// What a listing shows of it.
+    #[serde(flatten)]
+    pub summary: MemberSummary,
+    /// Its execution.
+    pub execution_id: ExecutionId,
+    /// Its stage's position, from 0.
+    pub stage_index: usize,
+    /// Its own input (a map element); `None` when it reads its stage's input.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub input: Option<Value>,
+    /// What it returned, once completed.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub output: Option<Value>,
+    /// Every attempt's error, oldest first (since its last reprocessing, and before).
+    pub errors: Vec<AttemptError>,
+}
+
 impl Engine {
+    /// One member by its task id: status, input, output and every attempt's error,
+    /// whatever its status (a dead letter's view, [`Engine::dead_letter`], is only for
+    /// dead ones).
+    ///
+    /// # Errors
+    /// [`Error::TaskNotFound`]; [`Error::Json`] for an errors column this build cannot
+    /// read; [`Error::Database`](crate::Error::Database).
+    ///
+    /// # Cancel safety
+    /// Reads only: dropping it changes nothing.
+    pub async fn member(&self, task: TaskId) -> Result<MemberDetail> {
+        let mut conn = self.pool().acquire().await?;
+        let row = members::detail(&mut conn, task)
+            .await?
+            .ok_or(Error::TaskNotFound(task))?;
+        Ok(MemberDetail {
+            summary: row.member.into(),
+            execution_id: row.execution_id,
+            stage_index: row.stage_index.max(0) as usize,
+            input: row.input.map(|j| j.0),
+            output: row.output.map(|j| j.0),
+            errors: serde_json::from_value(row.errors.0)?,
+        })
+    }
+
     /// Up to `limit` members of stage `stage_index` of an execution: those not completed
     /// first (running, pending, dead, cancelled), then in item order.
     ///

@@ -345,7 +345,7 @@ async function executionView(view, id) {
           h("td", { class: "num", text: m.attempts }), h("td", { class: "num", text: m.reprocessed }),
           h("td", {}, when(m.started_at)), h("td", {}, when(m.finished_at)),
           h("td", { class: "muted", text: m.last_error || "" }),
-          h("td", {}, m.status === "dead" ? h("button", { text: "Errors", onclick: () => showDead(detail, m.task_id) }) : ""))),
+          h("td", {}, m.last_error ? h("button", { text: "Errors", onclick: () => showTask(detail, m.task_id) }) : ""))),
         "no members on this page"));
     dead.replaceChildren(h("h2", { text: `Dead letters (${x.dead_letters.length}${x.dead_letters.length >= 100 ? "+" : ""})` }),
       table(["stage", "item#", "attempts#", "error", ""], x.dead_letters.map((d) => h("tr", { "data-dead": d.task_id },
@@ -359,6 +359,19 @@ async function executionView(view, id) {
           h("td", { class: "muted", text: n.last_error || "" }), h("td", {}, when(n.created_at)), h("td", {}, when(n.delivered_at)))),
         "none")] : []));
   });
+}
+
+// Any member: every attempt's error, its input and output; Reprocess when it is dead.
+async function showTask(target, task) {
+  try {
+    const m = await api(`/tasks/${task}`);
+    target.replaceChildren(h("h2", { text: `Task ${short(task)}: ${m.handler}, item ${m.item_index}` }),
+      h("p", {}, status(m.status), ` ${m.attempts} attempt(s), reprocessed ${m.reprocessed} time(s) `, m.status === "dead" ? reprocessButton(task) : ""),
+      m.input !== null ? h("pre", { text: JSON.stringify(m.input, null, 2) }) : h("p", { class: "muted", text: "input: its stage's input" }),
+      errorsOf(m));
+  } catch (error) {
+    target.replaceChildren(h("p", { class: "muted", text: error.message }));
+  }
 }
 
 async function showDead(target, task) {

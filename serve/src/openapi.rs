@@ -21,6 +21,7 @@ use crate::api::{dead_letters, executions, notifications, system};
         executions::get,
         executions::cancel,
         executions::members,
+        executions::task,
         notifications::of_execution,
         notifications::list,
         notifications::retry,

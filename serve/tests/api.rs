@@ -543,6 +543,7 @@ async fn the_openapi_document_describes_every_route() {
         ("post", "/api/v1/executions/{id}/cancel"),
         ("get", "/api/v1/executions/{id}/stages/{stage}/members"),
         ("get", "/api/v1/executions/{id}/notifications"),
+        ("get", "/api/v1/tasks/{task}"),
         ("get", "/api/v1/notifications"),
         ("post", "/api/v1/notifications/{id}/retry"),
         ("get", "/api/v1/dead-letters"),
@@ -754,6 +755,46 @@ async fn members_page_by_page() {
     .await;
     assert_eq!(later["members"][0]["item_index"], 199, "{later}");
     assert_eq!(later["next_after"], 199, "{later}");
+    // A member in full, whatever its status.
+    let (_, first_page) = call(&app, Method::GET, &format!("{base}?limit=1"), None).await;
+    let task = first_page["members"][0]["task_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (status, member) = call(&app, Method::GET, &format!("/api/v1/tasks/{task}"), None).await;
+    assert_eq!(status, StatusCode::OK, "{member}");
+    assert_eq!(
+        (
+            member["status"].clone(),
+            member["input"].clone(),
+            member["output"].clone()
+        ),
+        (json!("completed"), json!(0), json!(0)),
+        "{member}"
+    );
+    assert_eq!(member["errors"], json!([]), "{member}");
+    let dead_task = dead_members_first_task(&app, &base).await;
+    let (_, dead_member) = call(
+        &app,
+        Method::GET,
+        &format!("/api/v1/tasks/{dead_task}"),
+        None,
+    )
+    .await;
+    assert_eq!(dead_member["status"], "dead", "{dead_member}");
+    assert_eq!(
+        dead_member["errors"][0]["error"], "item 49 is broken",
+        "{dead_member}"
+    );
+    let unknown = call(
+        &app,
+        Method::GET,
+        &format!("/api/v1/tasks/{}", ExecutionId::new()),
+        None,
+    )
+    .await;
+    assert_error(&unknown, StatusCode::NOT_FOUND, "task_not_found");
+
     let bad = call(&app, Method::GET, &format!("{base}?status=asleep"), None).await;
     assert_error(&bad, StatusCode::BAD_REQUEST, "bad_request");
     // A stage never entered has no members; an unknown execution is a 404.
@@ -813,4 +854,15 @@ async fn the_dashboard_is_served_with_its_policy() {
             "{missing:?}"
         );
     }
+}
+
+async fn dead_members_first_task(app: &Router, base: &str) -> String {
+    let (_, page) = call(
+        app,
+        Method::GET,
+        &format!("{base}?status=dead&limit=1"),
+        None,
+    )
+    .await;
+    page["members"][0]["task_id"].as_str().unwrap().to_owned()
 }

@@ -1,10 +1,24 @@
 //! A stage's members, as listed: the most urgent first, or page by page in item order.
 
 use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::types::Json;
 use sqlx::{FromRow, PgConnection};
 
 use crate::error::Result;
 use crate::ids::{ExecutionId, TaskId};
+
+/// One member with its execution, stage, input, output and every attempt's error.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct MemberDetailRow {
+    #[sqlx(flatten)]
+    pub member: MemberListRow,
+    pub execution_id: ExecutionId,
+    pub stage_index: i32,
+    pub input: Option<Json<Value>>,
+    pub output: Option<Json<Value>>,
+    pub errors: Json<Value>,
+}
 
 /// One member of a stage, as listed.
 #[derive(Debug, Clone, FromRow)]
@@ -71,5 +85,19 @@ pub(crate) async fn page(
     .bind(status)
     .bind(limit)
     .fetch_all(conn)
+    .await?)
+}
+
+/// One member by its task id, with what [`MemberDetailRow`] holds.
+pub(crate) async fn detail(
+    conn: &mut PgConnection,
+    task: TaskId,
+) -> Result<Option<MemberDetailRow>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {COLUMNS}, execution_id, stage_index, input, output, errors
+           FROM confluo.task WHERE id = $1"
+    ))
+    .bind(task)
+    .fetch_optional(conn)
     .await?)
 }

@@ -1,4 +1,4 @@
-//! Executions: start, list, get, cancel, and one stage's members.
+//! Executions: start, list, get, cancel; one stage's members, and one member in full.
 
 use std::time::Duration;
 
@@ -6,8 +6,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use confluo::{
-    Execution, ExecutionId, ExecutionStatus, ExecutionSummary, ListFilter, MemberFilter,
-    MemberPage, MemberStatus, StartOptions,
+    Execution, ExecutionId, ExecutionStatus, ExecutionSummary, ListFilter, MemberDetail,
+    MemberFilter, MemberPage, MemberStatus, StartOptions, TaskId,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -240,4 +240,20 @@ pub(crate) async fn members(
         state.engine.status(id).await?; // 404 for an unknown execution
     }
     Ok(Json(page))
+}
+
+/// One member (a task) in full: status, input, output, every attempt's error.
+#[utoipa::path(
+    get, path = "/api/v1/tasks/{task}", tag = "executions",
+    params(("task" = Uuid, Path, description = "The task")),
+    responses(
+        (status = 200, description = "The member", body = MemberDetail),
+        (status = 404, description = "No such task", body = ApiError),
+    )
+)]
+pub(crate) async fn task(
+    State(state): State<AppState>,
+    PathOf(task): PathOf<Uuid>,
+) -> Result<Json<MemberDetail>, ApiError> {
+    Ok(Json(state.engine.member(TaskId(task)).await?))
 }

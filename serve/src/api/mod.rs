@@ -29,6 +29,7 @@ pub(crate) fn routes(state: AppState) -> Router {
             "/executions/{id}/stages/{stage}/members",
             get(executions::members),
         )
+        .route("/tasks/{task}", get(executions::task))
         .route(
             "/executions/{id}/notifications",
             get(notifications::of_execution),
