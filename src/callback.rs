@@ -6,14 +6,19 @@
 /// The longest callback URL accepted.
 pub const MAX_CALLBACK_LEN: usize = 2048;
 
-/// Whether `url` can be a callback: `http://` or `https://`, a host, no credentials, no
-/// white space or control characters, at most [`MAX_CALLBACK_LEN`] bytes.
+/// Whether `url` can be a callback: `http://` or `https://`, a host, no credentials,
+/// ASCII without white space or control characters, at most [`MAX_CALLBACK_LEN`] bytes.
 pub(crate) fn check(url: &str) -> Result<(), &'static str> {
     if url.len() > MAX_CALLBACK_LEN {
         return Err("it is longer than 2048 bytes");
     }
     if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err("it contains white space or control characters");
+    }
+    if !url.is_ascii() {
+        return Err(
+            "it is not ASCII (write an international host in punycode, a path percent-encoded)",
+        );
     }
     let rest = url
         .strip_prefix("https://")
@@ -51,6 +56,7 @@ mod tests {
             "https:///path",
             "https://user:pw@example.com/",
             "https://exa mple.com/",
+            "https://bücher.example/",
             "example.com",
             "",
         ] {

@@ -222,8 +222,10 @@ impl Engine {
     /// Deletes terminal executions (completed, failed, cancelled, timed out) that finished before
     /// `cutoff`, with their groups and tasks, `batch` at a time (each batch a statement of
     /// its own, so no long lock and no huge transaction); returns how many. Running
-    /// executions are never touched, nor those whose end's webhook is still pending
-    /// (they go once it is delivered or given up on).
+    /// executions are never touched, nor those whose end's webhook is still pending (they
+    /// go once it is delivered or given up on), unless the notification itself is older
+    /// than `cutoff`: with no delivery loop running it would never be, and the execution
+    /// would be kept forever.
     ///
     /// ```no_run
     /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {

@@ -39,7 +39,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hmac::{Hmac, Mac};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -112,9 +112,9 @@ impl WebhookBuilder {
         self
     }
 
-    /// How long one attempt may take, connecting included (default 10 s).
+    /// How long one attempt may take, connecting included (default 10 s; 1 ms to 1 h).
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.max(Duration::from_millis(1));
+        self.timeout = timeout.clamp(Duration::from_millis(1), Duration::from_secs(3600));
         self
     }
 
@@ -125,10 +125,11 @@ impl WebhookBuilder {
     }
 
     /// The wait after the first failed attempt, doubled after each one up to `max`
-    /// (default 1 s to 10 min).
+    /// (default 1 s to 10 min; neither beyond a day).
     pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
-        self.initial_backoff = initial;
-        self.max_backoff = max.max(initial);
+        const DAY: Duration = Duration::from_secs(86_400);
+        self.initial_backoff = initial.min(DAY);
+        self.max_backoff = max.clamp(self.initial_backoff, DAY);
         self
     }
 
@@ -212,12 +213,22 @@ async fn attempt(
     client: Client<Https, Full<Bytes>>,
     row: NotificationRow,
 ) {
-    let outcome = post(&config, &client, &row).await;
+    let Some(claim) = row.claim else {
+        return; // claim_due always sets one
+    };
+    // The whole attempt (reading the output included) within the timeout, so that it
+    // ends before its lease does and nobody else posts it meanwhile.
+    let outcome = tokio::time::timeout(config.timeout, post(&config, &client, &row))
+        .await
+        .unwrap_or_else(|_| {
+            Err(Failure::new(format!(
+                "no answer within {:?}",
+                config.timeout
+            )))
+        });
     let pool = config.engine.pool();
     let recorded = match &outcome {
-        Ok(status) => {
-            notifications::delivered(pool, row.id, row.attempts, i32::from(*status)).await
-        }
+        Ok(status) => notifications::delivered(pool, row.id, claim, i32::from(*status)).await,
         Err(failure) => {
             let retry_in = (row.attempts < config.max_attempts as i32).then(|| {
                 let doubled = config
@@ -229,7 +240,7 @@ async fn attempt(
             notifications::attempt_failed(
                 pool,
                 row.id,
-                row.attempts,
+                claim,
                 failure.status.map(i32::from),
                 &failure.error,
                 retry_in,
@@ -309,19 +320,14 @@ async fn post(
     let request = request
         .body(Full::new(Bytes::from(body)))
         .map_err(Failure::new)?;
-    let exchange = async {
-        let response = client
-            .request(request)
-            .await
-            .map_err(|e| Failure::new(describe(&e)))?;
-        let status = response.status().as_u16();
-        // Read (and drop) the answer, so that the connection can be reused.
-        let _ = response.into_body().collect().await;
-        Ok::<u16, Failure>(status)
-    };
-    let status = tokio::time::timeout(config.timeout, exchange)
+    let response = client
+        .request(request)
         .await
-        .map_err(|_| Failure::new(format!("no answer within {:?}", config.timeout)))??;
+        .map_err(|e| Failure::new(describe(&e)))?;
+    let status = response.status().as_u16();
+    // The answer's body is not read: a receiver could send gigabytes. Dropping it closes
+    // the connection rather than returning it to the pool.
+    drop(response);
     if (200..300).contains(&status) {
         Ok(status)
     } else {
@@ -400,7 +406,7 @@ fn refused(ip: IpAddr) -> String {
 pub(crate) fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
+            let [a, b, c, _] = v4.octets();
             !(v4.is_loopback()
                 || v4.is_private()
                 || v4.is_link_local()
@@ -410,19 +416,34 @@ pub(crate) fn is_public(ip: IpAddr) -> bool {
                 || v4.is_documentation()
                 || a == 0
                 || (a == 100 && (64..128).contains(&b))
-                || (a == 198 && (b == 18 || b == 19)))
+                || (a == 198 && (b == 18 || b == 19))
+                || (a == 192 && b == 0 && c == 0) // IETF protocol assignments
+                || a >= 240) // reserved
         }
         IpAddr::V6(v6) => {
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return is_public(IpAddr::V4(v4));
             }
-            let first = v6.segments()[0];
+            let seg = v6.segments();
+            let embedded = |hi: u16, lo: u16| {
+                std::net::Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8)
+            };
+            // IPv4 inside IPv6: NAT64 (64:ff9b::/96), IPv4-compatible (::a.b.c.d), 6to4
+            // (2002::/16): the IPv4 address decides.
+            if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || (seg[..6] == [0; 6] && seg[6] != 0) {
+                return is_public(IpAddr::V4(embedded(seg[6], seg[7])));
+            }
+            if seg[0] == 0x2002 {
+                return is_public(IpAddr::V4(embedded(seg[1], seg[2])));
+            }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
-                || (first & 0xfe00) == 0xfc00 // unique local
-                || (first & 0xffc0) == 0xfe80 // link-local
-                || first == 0x2001 && v6.segments()[1] == 0x0db8) // documentation
+                || (seg[0] & 0xfe00) == 0xfc00 // unique local
+                || (seg[0] & 0xffc0) == 0xfe80 // link-local
+                || (seg[0] & 0xffc0) == 0xfec0 // site-local (deprecated)
+                || (seg[0] == 0x2001 && seg[1] == 0) // Teredo
+                || (seg[0] == 0x2001 && seg[1] == 0x0db8)) // documentation
         }
     }
 }
@@ -492,6 +513,13 @@ mod tests {
     #[test]
     fn public_and_not() {
         for private in [
+            "240.0.0.1",
+            "192.0.0.8",
+            "fec0::1",
+            "64:ff9b::a9fe:a9fe",
+            "::10.0.0.1",
+            "2002:7f00:1::",
+            "2001:0:4136:e378::1",
             "127.0.0.1",
             "10.1.2.3",
             "172.16.0.1",
@@ -506,7 +534,13 @@ mod tests {
         ] {
             assert!(!is_public(private.parse().unwrap()), "{private}");
         }
-        for public in ["1.1.1.1", "93.184.216.34", "2606:4700::1111"] {
+        for public in [
+            "1.1.1.1",
+            "93.184.216.34",
+            "2606:4700::1111",
+            "64:ff9b::101:101",
+            "2002:101:101::",
+        ] {
             assert!(is_public(public.parse().unwrap()), "{public}");
         }
     }

@@ -405,10 +405,24 @@ async fn an_end_that_rolls_back_announces_nothing() {
         (written[0].event.as_str(), written[0].status.as_str()),
         ("execution.cancelled", "pending")
     );
-    // Its webhook is pending: purge keeps the execution (and so the notification).
+    // Its webhook is pending: purge keeps the execution (and so the notification) while
+    // the notification is younger than the cutoff.
     let later = chrono::Utc::now() + chrono::Duration::minutes(1);
-    assert_eq!(db.engine.purge(later, 100).await.unwrap(), 0);
+    let recently = chrono::Utc::now() - chrono::Duration::seconds(30);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // (purge takes executions that finished before the cutoff: make it one that did.)
+    sqlx::query(
+        "UPDATE confluo.execution SET finished_at = now() - interval '1 hour' WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(db.engine.purge(recently, 100).await.unwrap(), 0);
     assert_eq!(notifications(&db.engine, id).await.len(), 1);
+    // Pending for longer than the whole window: no loop delivers it; it goes.
+    assert_eq!(db.engine.purge(later, 100).await.unwrap(), 1);
+    assert!(notifications(&db.engine, id).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

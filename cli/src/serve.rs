@@ -96,14 +96,29 @@ pub async fn run(database_url: Option<&str>, args: Args) -> anyhow::Result<ExitC
             ""
         }
     );
-    let result = tokio::select! {
+    let mut serving = serving;
+    let stopped_by_itself = tokio::select! {
         // The server stopped by itself: it could not bind, or serving failed.
-        result = serving => result?,
-        _ = interrupt.recv() => Ok(()),
-        _ = term.recv() => Ok(()),
+        result = &mut serving => Some(result?),
+        _ = interrupt.recv() => None,
+        _ = term.recv() => None,
     };
-    // Dropping `stop` completes the shutdown future: requests in flight finish.
-    drop(stop);
+    let result = match stopped_by_itself {
+        Some(result) => result,
+        None => {
+            // Dropping `stop` completes the shutdown future: the server stops accepting,
+            // and the requests in flight finish (within 30 s) before anything they use
+            // (the throwaway server included) goes away.
+            drop(stop);
+            match tokio::time::timeout(Duration::from_secs(30), &mut serving).await {
+                Ok(joined) => joined?,
+                Err(_) => {
+                    eprintln!("requests still running after 30 s: stopping anyway");
+                    Ok(())
+                }
+            }
+        }
+    };
     if let Some(demo) = demo {
         demo.stop().await;
     }

@@ -517,6 +517,46 @@ async fn the_token_and_the_write_switch() {
     .await;
     assert_error(&unauthorized, StatusCode::UNAUTHORIZED, "unauthorized");
 
+    // Without a token, only loopback Host names are answered (DNS rebinding).
+    let open_local = confluo_serve::router(engine.clone(), &local()).unwrap();
+    for (host, allowed) in [
+        ("localhost:8080", true),
+        ("127.0.0.1:8080", true),
+        ("[::1]:8080", true),
+        ("evil.example:8080", false),
+        ("localhost.evil.example", false),
+    ] {
+        let response = open_local
+            .clone()
+            .oneshot(
+                Request::get("/api/v1/executions")
+                    .header(header::HOST, host)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let expected = if allowed {
+            StatusCode::OK
+        } else {
+            StatusCode::FORBIDDEN
+        };
+        assert_eq!(response.status(), expected, "Host: {host}");
+    }
+    // With a token, any Host (a reverse proxy's name) is fine.
+    let response = app
+        .clone()
+        .oneshot(
+            Request::get("/api/v1/executions")
+                .header(header::HOST, "confluo.internal.example")
+                .header(header::AUTHORIZATION, "Bearer s3cret")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+
     let read_only = confluo_serve::router(engine.clone(), &local().read_only()).unwrap();
     let refused = call(&read_only, Method::POST, "/api/v1/executions", Some(start)).await;
     assert_error(&refused, StatusCode::FORBIDDEN, "writes_disabled");

@@ -444,7 +444,8 @@ where
         "SELECT count(*) FROM confluo.execution
           WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1
             AND NOT EXISTS (SELECT 1 FROM confluo.notification n
-                             WHERE n.execution_id = execution.id AND n.status = 'pending')",
+                             WHERE n.execution_id = execution.id AND n.status = 'pending'
+                                  AND n.created_at >= $1)",
     )
     .bind(cutoff)
     .fetch_one(executor)
@@ -463,9 +464,12 @@ where
         "DELETE FROM confluo.execution WHERE id IN (
             SELECT id FROM confluo.execution
              WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1
-               -- Its end's webhook is still to be delivered: kept until it is (or fails).
+               -- Its end's webhook is still to be delivered: kept until it is (or fails),
+               -- unless it has waited the whole retention window (then no delivery loop
+               -- runs, and keeping it would keep it forever).
                AND NOT EXISTS (SELECT 1 FROM confluo.notification n
-                                WHERE n.execution_id = execution.id AND n.status = 'pending')
+                                WHERE n.execution_id = execution.id AND n.status = 'pending'
+                                  AND n.created_at >= $1)
              ORDER BY finished_at
              LIMIT $2
                FOR UPDATE SKIP LOCKED)",

@@ -29,10 +29,12 @@ pub(crate) struct NotificationRow {
     pub last_error: Option<String>,
     pub created_at: DateTime<Utc>,
     pub delivered_at: Option<DateTime<Utc>>,
+    /// The token of the latest claim (NULL before the first).
+    pub claim: Option<Uuid>,
 }
 
 const COLUMNS: &str = "id, execution_id, url, event, payload, status, attempts, \
-                       next_attempt_at, last_status, last_error, created_at, delivered_at";
+                       next_attempt_at, last_status, last_error, created_at, delivered_at, claim";
 
 /// An execution's notifications, oldest first.
 pub(crate) async fn of_execution<'e, E: PgExecutor<'e>>(
@@ -76,7 +78,7 @@ pub(crate) async fn claim_due<'e, E: PgExecutor<'e>>(
 ) -> Result<Vec<NotificationRow>> {
     Ok(sqlx::query_as(&format!(
         "UPDATE confluo.notification n
-            SET attempts = n.attempts + 1,
+            SET attempts = n.attempts + 1, claim = gen_random_uuid(),
                 next_attempt_at = now() + $2 * interval '1 millisecond'
            FROM (SELECT id FROM confluo.notification
                   WHERE status = 'pending' AND next_attempt_at <= now()
@@ -97,35 +99,35 @@ pub(crate) async fn claim_due<'e, E: PgExecutor<'e>>(
     .await?)
 }
 
-/// Records a delivery (a 2xx answer). Only the attempt that claimed it records: a later
-/// attempt's claim changed `attempts`. A row already delivered stays as it is.
+/// Records a delivery (a 2xx answer). Only the attempt holding the latest claim records:
+/// a later claim (the lease ran out) replaced the token. A row already delivered stays.
 #[cfg(feature = "webhooks")]
 pub(crate) async fn delivered<'e, E: PgExecutor<'e>>(
     executor: E,
     id: Uuid,
-    attempt: i32,
+    claim: Uuid,
     http_status: i32,
 ) -> Result<()> {
     sqlx::query(
         "UPDATE confluo.notification
             SET status = 'delivered', delivered_at = now(), last_status = $3, last_error = NULL
-          WHERE id = $1 AND attempts = $2 AND status = 'pending'",
+          WHERE id = $1 AND claim = $2 AND status = 'pending'",
     )
     .bind(id)
-    .bind(attempt)
+    .bind(claim)
     .bind(http_status)
     .execute(executor)
     .await?;
     Ok(())
 }
 
-/// Records a failed attempt: tried again after `retry_in_ms`, or, with `None`, given up
-/// (`failed`).
+/// Records a failed attempt (guarded by its claim, as [`delivered`]): tried again after
+/// `retry_in_ms`, or, with `None`, given up (`failed`).
 #[cfg(feature = "webhooks")]
 pub(crate) async fn attempt_failed<'e, E: PgExecutor<'e>>(
     executor: E,
     id: Uuid,
-    attempt: i32,
+    claim: Uuid,
     http_status: Option<i32>,
     error: &str,
     retry_in_ms: Option<i64>,
@@ -135,10 +137,10 @@ pub(crate) async fn attempt_failed<'e, E: PgExecutor<'e>>(
             SET status = CASE WHEN $5::int8 IS NULL THEN 'failed' ELSE 'pending' END,
                 next_attempt_at = now() + coalesce($5, 0) * interval '1 millisecond',
                 last_status = $3, last_error = $4
-          WHERE id = $1 AND attempts = $2 AND status = 'pending'",
+          WHERE id = $1 AND claim = $2 AND status = 'pending'",
     )
     .bind(id)
-    .bind(attempt)
+    .bind(claim)
     .bind(http_status)
     .bind(error)
     .bind(retry_in_ms)
@@ -152,7 +154,7 @@ pub(crate) async fn attempt_failed<'e, E: PgExecutor<'e>>(
 pub(crate) async fn retry<'e, E: PgExecutor<'e>>(executor: E, id: Uuid) -> Result<bool> {
     let done = sqlx::query(
         "UPDATE confluo.notification
-            SET status = 'pending', attempts = 0, next_attempt_at = now()
+            SET status = 'pending', attempts = 0, next_attempt_at = now(), claim = NULL
           WHERE id = $1 AND status = 'failed'",
     )
     .bind(id)
