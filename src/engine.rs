@@ -122,6 +122,18 @@ impl Engine {
         store::migrate(&self.inner.pool).await
     }
 
+    /// Whether the database answers with the schema this build needs: a readiness probe
+    /// that reads no row, cheap however large the tables.
+    ///
+    /// # Errors
+    /// [`Error::NotMigrated`]; [`Error::Database`] when the server cannot be reached.
+    ///
+    /// # Cancel safety
+    /// Reads nothing: dropping it changes nothing.
+    pub async fn ready(&self) -> Result<()> {
+        store::probe(&self.inner.pool).await
+    }
+
     /// Validates a definition and stores it. Registering an identical definition again is
     /// a no-op, so every process can register what it runs at start.
     ///

@@ -906,3 +906,37 @@ async fn dead_members_first_task(app: &Router, base: &str) -> String {
     .await;
     page["members"][0]["task_id"].as_str().unwrap().to_owned()
 }
+
+/// Readiness reads no row: it says whether the schema is there, and says how to fix it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_says_when_the_schema_is_missing() {
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| {
+        confluo_testkit::server::process_local_url()
+            .expect("no DATABASE_URL, and no throwaway PostgreSQL could start")
+    });
+    let admin: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let options = confluo_testkit::fresh_database(&admin, "confluo_serve_unmigrated")
+        .await
+        .unwrap();
+    let engine = confluo::ConnectBuilder::from_options(options)
+        .max_connections(2)
+        .connect()
+        .await
+        .unwrap();
+    let app = confluo_serve::router(engine.clone(), &local()).unwrap();
+    let answer = call(&app, Method::GET, "/api/v1/ready", None).await;
+    assert_error(&answer, StatusCode::SERVICE_UNAVAILABLE, "not_migrated");
+    assert!(
+        answer.1["message"]
+            .as_str()
+            .unwrap()
+            .contains("confluo migrate"),
+        "{}",
+        answer.1
+    );
+    let (status, _) = call(&app, Method::GET, "/api/v1/health", None).await;
+    assert_eq!(status, StatusCode::OK);
+    engine.migrate().await.unwrap();
+    let (status, body) = call(&app, Method::GET, "/api/v1/ready", None).await;
+    assert_eq!((status, body), (StatusCode::OK, json!({"status": "ready"})));
+}

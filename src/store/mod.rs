@@ -89,6 +89,16 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 /// Applies the embedded migrations. Idempotent, and safe when several processes run it at
 /// once: a session advisory lock serializes them, and sqlx's bookkeeping table lives in
 /// the `confluo` schema rather than the application's.
+/// Whether the server answers with this build's schema: a statement that names the
+/// newest migration's column and reads no row (an older schema fails it, and the caller
+/// gets [`Error::NotMigrated`]).
+pub(crate) async fn probe(pool: &PgPool) -> Result<()> {
+    sqlx::query("SELECT claim FROM confluo.notification LIMIT 0")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
 pub(crate) async fn migrate(pool: &PgPool) -> Result<()> {
     // A dedicated connection: its search_path is changed, and must not return to the pool.
     let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;

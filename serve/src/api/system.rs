@@ -35,7 +35,7 @@ pub(crate) async fn health() -> Json<Health> {
     )
 )]
 pub(crate) async fn ready(State(state): State<AppState>) -> Result<Json<Health>, ApiError> {
-    state.engine.queue_depth().await?;
+    state.engine.ready().await?;
     Ok(Json(Health { status: "ready" }))
 }
 
