@@ -29,7 +29,8 @@ pub(crate) struct NotificationRow {
     pub last_error: Option<String>,
     pub created_at: DateTime<Utc>,
     pub delivered_at: Option<DateTime<Utc>>,
-    /// The token of the latest claim (NULL before the first).
+    /// The token of the latest claim (NULL before the first); read by delivery only.
+    #[cfg_attr(not(feature = "webhooks"), allow(dead_code))]
     pub claim: Option<Uuid>,
 }
 

@@ -1,0 +1,205 @@
+//! The API's guards against a real PostgreSQL: the token beyond loopback, the write
+//! switch, the DNS-rebinding guard without a token, the dashboard's files and their
+//! policy, and readiness.
+
+mod common;
+
+use axum::body::Body;
+use axum::http::{header, Method, Request, StatusCode};
+use common::{assert_error, call, call_with, engine, local};
+use confluo::Workflow;
+use confluo_serve::{Config, ServeError};
+use http_body_util::BodyExt;
+use serde_json::json;
+use tower::ServiceExt;
+
+/// Beyond loopback a token is required; with one, every route but the probes needs it;
+/// read-only turns the writes off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_and_the_write_switch() {
+    let engine = engine("confluo_serve_auth").await;
+    engine
+        .register(&Workflow::new("api", 1).step("one"))
+        .await
+        .unwrap();
+    let open = Config::new("0.0.0.0:8080".parse().unwrap());
+    let refused = confluo_serve::router(engine.clone(), &open).unwrap_err();
+    assert!(
+        matches!(refused, ServeError::TokenRequired { .. }),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("CONFLUO_API_TOKEN"),
+        "{refused}"
+    );
+    assert!(matches!(
+        confluo_serve::router(engine.clone(), &local().token("  ")).unwrap_err(),
+        ServeError::EmptyToken
+    ));
+
+    let app = confluo_serve::router(engine.clone(), &open.token("s3cret")).unwrap();
+    let (status, headers) = {
+        let response = app
+            .clone()
+            .oneshot(
+                Request::get("/api/v1/executions")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        (response.status(), response.headers().clone())
+    };
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(headers[header::WWW_AUTHENTICATE], "Bearer");
+    let wrong = call_with(&app, Method::GET, "/api/v1/executions", None, Some("s3cre")).await;
+    assert_error(&wrong, StatusCode::UNAUTHORIZED, "unauthorized");
+    let right = call_with(
+        &app,
+        Method::GET,
+        "/api/v1/executions",
+        None,
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(right.0, StatusCode::OK, "{}", right.1);
+    for probe in ["/api/v1/health", "/api/v1/ready"] {
+        let (status, body) = call(&app, Method::GET, probe, None).await;
+        assert_eq!(status, StatusCode::OK, "{probe}: {body}");
+    }
+    let start = json!({"workflow": "api"});
+    let unauthorized = call(
+        &app,
+        Method::POST,
+        "/api/v1/executions",
+        Some(start.clone()),
+    )
+    .await;
+    assert_error(&unauthorized, StatusCode::UNAUTHORIZED, "unauthorized");
+
+    // Without a token, only loopback Host names are answered (DNS rebinding).
+    let open_local = confluo_serve::router(engine.clone(), &local()).unwrap();
+    for (host, allowed) in [
+        ("localhost:8080", true),
+        ("127.0.0.1:8080", true),
+        ("[::1]:8080", true),
+        ("evil.example:8080", false),
+        ("localhost.evil.example", false),
+    ] {
+        let response = open_local
+            .clone()
+            .oneshot(
+                Request::get("/api/v1/executions")
+                    .header(header::HOST, host)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let expected = if allowed {
+            StatusCode::OK
+        } else {
+            StatusCode::FORBIDDEN
+        };
+        assert_eq!(response.status(), expected, "Host: {host}");
+    }
+    // With a token, any Host (a reverse proxy's name) is fine.
+    let response = app
+        .clone()
+        .oneshot(
+            Request::get("/api/v1/executions")
+                .header(header::HOST, "confluo.internal.example")
+                .header(header::AUTHORIZATION, "Bearer s3cret")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+
+    let read_only = confluo_serve::router(engine.clone(), &local().read_only()).unwrap();
+    let refused = call(&read_only, Method::POST, "/api/v1/executions", Some(start)).await;
+    assert_error(&refused, StatusCode::FORBIDDEN, "writes_disabled");
+    let reads = call(&read_only, Method::GET, "/api/v1/executions", None).await;
+    assert_eq!(reads.0, StatusCode::OK);
+    assert_eq!(engine.execution_counts().await.unwrap().running, 0);
+}
+
+/// The dashboard's three files, with their policy, even without the token (they hold no
+/// data); nothing else outside the API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_is_served_with_its_policy() {
+    let engine = engine("confluo_serve_dashboard").await;
+    let guarded = Config::new("0.0.0.0:8080".parse().unwrap()).token("s3cret");
+    for config in [local(), guarded] {
+        let app = confluo_serve::router(engine.clone(), &config).unwrap();
+        for (path, kind, marker) in [
+            ("/", "text/html", "<main id=\"view\">"),
+            ("/ui/app.js", "text/javascript", "textContent"),
+            ("/ui/app.css", "text/css", ".countdown"),
+        ] {
+            let response = app
+                .clone()
+                .oneshot(Request::get(path).body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{path}");
+            let headers = response.headers().clone();
+            assert!(
+                headers[header::CONTENT_TYPE]
+                    .to_str()
+                    .unwrap()
+                    .starts_with(kind),
+                "{path}: {headers:?}"
+            );
+            let policy = headers[header::CONTENT_SECURITY_POLICY].to_str().unwrap();
+            assert!(policy.contains("script-src 'self'"), "{policy}");
+            assert!(policy.contains("frame-ancestors 'none'"), "{policy}");
+            assert!(!policy.contains("unsafe"), "{policy}");
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert!(
+                String::from_utf8_lossy(&body).contains(marker),
+                "{path} lacks {marker}"
+            );
+        }
+        let missing = call(&app, Method::GET, "/ui/other.js", None).await;
+        assert!(
+            missing.0 == StatusCode::NOT_FOUND || missing.0 == StatusCode::UNAUTHORIZED,
+            "{missing:?}"
+        );
+    }
+}
+
+/// Readiness reads no row: it says whether the schema is there, and says how to fix it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_says_when_the_schema_is_missing() {
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| {
+        confluo_testkit::server::process_local_url()
+            .expect("no DATABASE_URL, and no throwaway PostgreSQL could start")
+    });
+    let admin: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let options = confluo_testkit::fresh_database(&admin, "confluo_serve_unmigrated")
+        .await
+        .unwrap();
+    let engine = confluo::ConnectBuilder::from_options(options)
+        .max_connections(2)
+        .connect()
+        .await
+        .unwrap();
+    let app = confluo_serve::router(engine.clone(), &local()).unwrap();
+    let answer = call(&app, Method::GET, "/api/v1/ready", None).await;
+    assert_error(&answer, StatusCode::SERVICE_UNAVAILABLE, "not_migrated");
+    assert!(
+        answer.1["message"]
+            .as_str()
+            .unwrap()
+            .contains("confluo migrate"),
+        "{}",
+        answer.1
+    );
+    let (status, _) = call(&app, Method::GET, "/api/v1/health", None).await;
+    assert_eq!(status, StatusCode::OK);
+    engine.migrate().await.unwrap();
+    let (status, body) = call(&app, Method::GET, "/api/v1/ready", None).await;
+    assert_eq!((status, body), (StatusCode::OK, json!({"status": "ready"})));
+}
