@@ -10,12 +10,14 @@
 //! fails. `CONFLUO_DASHBOARD_SCREENSHOT=path` keeps a screenshot taken mid-countdown (the
 //! README's `docs/dashboard.png` comes from it).
 
+mod common;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use confluo::{Engine, ExecutionId, TaskError, Workflow};
+use confluo::{ExecutionId, TaskError, Workflow};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
 
@@ -45,28 +47,6 @@ fn find(binary: &str) -> Option<std::path::PathBuf> {
         .split(':')
         .map(|dir| std::path::Path::new(dir).join(binary))
         .find(|p| p.is_file())
-}
-
-async fn engine() -> Engine {
-    engine_in("confluo_serve_browser").await
-}
-
-async fn engine_in(database: &str) -> Engine {
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| {
-        confluo_testkit::server::process_local_url()
-            .expect("no DATABASE_URL, and no throwaway PostgreSQL could start")
-    });
-    let admin: sqlx::postgres::PgConnectOptions = url.parse().expect("a PostgreSQL URL");
-    let options = confluo_testkit::fresh_database(&admin, database)
-        .await
-        .unwrap();
-    let engine = confluo::ConnectBuilder::from_options(options)
-        .max_connections(6)
-        .connect()
-        .await
-        .unwrap();
-    engine.migrate().await.unwrap();
-    engine
 }
 
 /// Headless Chromium through a chromedriver of our own.
@@ -159,7 +139,7 @@ async fn the_dashboard_shows_a_countdown_and_reprocesses_a_dead_letter() {
     let Some((_driver, client)) = browser().await else {
         return;
     };
-    let engine = engine().await;
+    let engine = common::engine("confluo_serve_browser").await;
     engine
         .register(
             &Workflow::new("browser", 1)
@@ -349,7 +329,7 @@ async fn the_dashboard_asks_for_the_token() {
     let Some((_driver, client)) = browser().await else {
         return;
     };
-    let engine = engine_in("confluo_serve_browser_token").await;
+    let engine = common::engine("confluo_serve_browser_token").await;
     let port = free_port();
     let config = confluo_serve::Config::new(([127, 0, 0, 1], port).into()).token("s3cret-token");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
