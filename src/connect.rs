@@ -55,6 +55,7 @@ pub struct ConnectBuilder {
     connect_timeout: Duration,
     acquire_timeout: Duration,
     fan_in: FanInStrategy,
+    transaction_pooler: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -73,6 +74,7 @@ impl ConnectBuilder {
             connect_timeout: Duration::from_secs(10),
             acquire_timeout: Duration::from_secs(30),
             fan_in: FanInStrategy::default(),
+            transaction_pooler: false,
         }
     }
 
@@ -126,6 +128,27 @@ impl ConnectBuilder {
         self
     }
 
+    /// The URL is a pooler in transaction mode (PgBouncer's `pool_mode = transaction`):
+    /// statements are prepared unnamed and run inside transactions, and the sessions'
+    /// isolation is not pinned with a startup option (PgBouncer refuses startup options it
+    /// does not know; every statement pins READ COMMITTED itself). See
+    /// [`EngineBuilder::transaction_pooler`](crate::EngineBuilder::transaction_pooler) for
+    /// all it changes, and apply migrations over a direct connection.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> confluo::Result<()> {
+    /// let engine = confluo::ConnectBuilder::new("postgres://app@pgbouncer:6432/app")
+    ///     .transaction_pooler()
+    ///     .max_connections(2)
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = engine; Ok(()) }
+    /// ```
+    pub fn transaction_pooler(mut self) -> Self {
+        self.transaction_pooler = true;
+        self
+    }
+
     /// Connects once, to fail at once with the reason when the server cannot be reached
     /// or refuses, then opens the pool: its sessions pinned to READ COMMITTED (see
     /// [`read_committed`]), and no ping each time it hands a connection out (sqlx's
@@ -164,7 +187,11 @@ impl ConnectBuilder {
         if let Some(name) = &self.application_name {
             options = options.application_name(name);
         }
-        let options = read_committed(options);
+        let options = if self.transaction_pooler {
+            options
+        } else {
+            read_committed(options)
+        };
         let server = server_of(&options);
         let first = tokio::time::timeout(self.connect_timeout, options.connect()).await;
         match first {
@@ -184,7 +211,12 @@ impl ConnectBuilder {
             .acquire_timeout(self.acquire_timeout)
             .test_before_acquire(false)
             .connect_lazy_with(options);
-        Ok(Engine::builder(pool).fan_in(self.fan_in).build())
+        let builder = Engine::builder(pool).fan_in(self.fan_in);
+        Ok(if self.transaction_pooler {
+            builder.transaction_pooler().build()
+        } else {
+            builder.build()
+        })
     }
 }
 

@@ -40,6 +40,7 @@ pub struct Engine {
 struct Inner {
     pool: PgPool,
     fan_in: FanInStrategy,
+    transaction_pooler: bool,
     definitions: RwLock<HashMap<(String, i32), Arc<Workflow>>>,
     /// Expired tasks this process could not reclaim (an unreadable row): later passes
     /// skip them rather than trip on them again, and each is reported once.
@@ -51,6 +52,7 @@ struct Inner {
 pub struct EngineBuilder {
     pool: PgPool,
     fan_in: FanInStrategy,
+    transaction_pooler: bool,
 }
 
 impl EngineBuilder {
@@ -64,12 +66,40 @@ impl EngineBuilder {
         self
     }
 
+    /// The pool goes through a pooler in transaction mode (PgBouncer's `pool_mode =
+    /// transaction`), which hands each transaction to whichever server connection is free
+    /// and keeps no session state (off by default). Then:
+    ///
+    /// - every statement is prepared unnamed, and one that runs outside a transaction runs
+    ///   in a READ COMMITTED transaction of its own (two round trips more). This is
+    ///   process-wide: from the first such engine built on, every engine of the process
+    ///   prepares its statements unnamed (correct on a direct connection too, at the cost
+    ///   of a parse per statement);
+    /// - the pool's sessions need no isolation pin: every statement runs in a transaction
+    ///   that pins READ COMMITTED;
+    /// - [`Engine::migrate`] refuses ([`Error::NeedsDirectConnection`]): migrations hold a
+    ///   session lock, so apply them over a direct connection;
+    /// - a worker does not `LISTEN` through the pool: by default it polls, or listens on
+    ///   a direct connection ([`Notifications::Direct`](crate::Notifications::Direct)).
+    ///
+    /// The fan-in's guarantees are unchanged: they rest on row locks and guarded updates
+    /// inside single transactions, which a transaction pooler keeps on one server
+    /// connection. See the README's "Behind PgBouncer".
+    pub fn transaction_pooler(mut self) -> Self {
+        self.transaction_pooler = true;
+        self
+    }
+
     /// Builds the engine.
     pub fn build(self) -> Engine {
+        if self.transaction_pooler {
+            store::use_unnamed_statements();
+        }
         Engine {
             inner: Arc::new(Inner {
                 pool: self.pool,
                 fan_in: self.fan_in,
+                transaction_pooler: self.transaction_pooler,
                 definitions: RwLock::new(HashMap::new()),
                 unreclaimable: Default::default(),
             }),
@@ -96,6 +126,7 @@ impl Engine {
         EngineBuilder {
             pool,
             fan_in: FanInStrategy::default(),
+            transaction_pooler: false,
         }
     }
 
@@ -109,16 +140,31 @@ impl Engine {
         self.inner.fan_in
     }
 
+    /// Whether this engine's pool goes through a transaction pooler
+    /// ([`EngineBuilder::transaction_pooler`]).
+    pub fn through_transaction_pooler(&self) -> bool {
+        self.inner.transaction_pooler
+    }
+
     /// Creates or upgrades confluo's schema (`confluo`) with the embedded migrations.
     /// Idempotent and safe to call from several processes at once.
     ///
     /// # Errors
-    /// [`Error::Migrate`] or [`Error::Database`].
+    /// [`Error::Migrate`] or [`Error::Database`]; [`Error::NeedsDirectConnection`] behind a
+    /// transaction pooler ([`EngineBuilder::transaction_pooler`]).
     ///
     /// # Cancel safety
     /// Each migration is applied in a transaction of its own: dropped, those applied stay
     /// applied and calling it again applies the rest.
     pub async fn migrate(&self) -> Result<()> {
+        if self.inner.transaction_pooler {
+            return Err(Error::NeedsDirectConnection {
+                what: "applying migrations",
+                remedy: "apply them over a direct connection to PostgreSQL \
+                         (Engine::connect(direct_url).await?.migrate(), or `confluo migrate` \
+                         with a direct DATABASE_URL), then start this engine",
+            });
+        }
         store::migrate(&self.inner.pool).await
     }
 

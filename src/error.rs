@@ -225,6 +225,20 @@ pub enum Error {
         found: String,
     },
 
+    /// Something that needs a PostgreSQL session of its own was asked of an engine behind
+    /// a transaction pooler ([`ConnectBuilder::transaction_pooler`](crate::ConnectBuilder::transaction_pooler)),
+    /// which hands each transaction to any server connection and keeps no session state.
+    #[error(
+        "{what} needs a PostgreSQL session of its own, which a transaction pooler \
+         (PgBouncer in transaction mode) does not keep: {remedy}"
+    )]
+    NeedsDirectConnection {
+        /// What was asked, e.g. `applying migrations`.
+        what: &'static str,
+        /// What to do instead.
+        remedy: &'static str,
+    },
+
     /// Applying the embedded migrations failed.
     #[error(transparent)]
     Migrate(#[from] sqlx::migrate::MigrateError),

@@ -12,7 +12,7 @@ pub(crate) async fn tasks_by_status_and_minute(
     conn: &mut PgConnection,
     window_secs: f64,
 ) -> Result<Vec<(String, Option<DateTime<Utc>>, i64)>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT status,
                 CASE WHEN finished_at >= now() - make_interval(secs => $1)
                      THEN date_trunc('minute', finished_at) END AS minute,
@@ -33,7 +33,7 @@ pub(crate) async fn hand_over_seconds(
     conn: &mut PgConnection,
     window_secs: f64,
 ) -> Result<(i64, i64, Option<f64>, Option<f64>, Option<f64>)> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT count(*), count(*) FILTER (WHERE seconds = 0),
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds),
                 percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds),

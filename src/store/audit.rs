@@ -23,7 +23,7 @@ pub(crate) struct CounterRow {
 /// group's `remaining` against its non-terminal members; a striped group's stripes against
 /// their non-terminal members, and its `remaining` against its undrained stripes.
 pub(crate) async fn counter_mismatches(conn: &mut PgConnection) -> Result<Vec<CounterRow>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "WITH g AS (
             SELECT g.* FROM confluo.stage_group g
               JOIN confluo.execution e ON e.id = g.execution_id
@@ -69,7 +69,7 @@ pub(crate) struct GroupRow {
 
 /// Groups of running executions whose members are all terminal but that never fired.
 pub(crate) async fn unfired_groups(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT g.id AS group_id, g.execution_id, g.stage_index
            FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
           WHERE e.status = 'running' AND g.fired_at IS NULL
@@ -84,7 +84,7 @@ pub(crate) async fn unfired_groups(conn: &mut PgConnection) -> Result<Vec<GroupR
 /// Running executions with nothing left to run: no open task and every group fired, so
 /// nothing will ever move them. Returns each with its last group.
 pub(crate) async fn stalled_executions(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT last.id AS group_id, e.id AS execution_id, last.stage_index
            FROM confluo.execution e
            JOIN LATERAL (SELECT g.id, g.stage_index, g.fired_at FROM confluo.stage_group g
@@ -105,7 +105,7 @@ pub(crate) async fn stalled_executions(conn: &mut PgConnection) -> Result<Vec<Gr
 /// Returns the group's corrected counter.
 pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Result<Option<i32>> {
     super::locks::counters(conn, group_id).await?;
-    sqlx::query(
+    super::query(
         "UPDATE confluo.group_stripe s
             SET remaining = (SELECT count(*) FROM confluo.task t
                               WHERE t.group_id = s.group_id AND t.status IN ('pending', 'running')
@@ -116,7 +116,7 @@ pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Resul
     .bind(group_id)
     .execute(&mut *conn)
     .await?;
-    Ok(sqlx::query_scalar(
+    Ok(super::query_scalar(
         "UPDATE confluo.stage_group g
             SET remaining = CASE g.fan_in
                 WHEN 'countdown' THEN (SELECT count(*) FROM confluo.task t
@@ -138,7 +138,7 @@ pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Resul
 /// firing: never fired, every member terminal, its execution running.
 pub(crate) async fn lock_if_unfired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
     super::locks::group_row(conn, group_id).await?;
-    Ok(sqlx::query_scalar(
+    Ok(super::query_scalar(
         "SELECT EXISTS (
             SELECT 1 FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
              WHERE g.id = $1 AND g.fired_at IS NULL AND e.status = 'running'
@@ -158,7 +158,7 @@ pub(crate) async fn lock_if_stalled(
     group_id: GroupId,
 ) -> Result<bool> {
     super::locks::execution(conn, execution_id).await?;
-    Ok(sqlx::query_scalar(
+    Ok(super::query_scalar(
         "SELECT EXISTS (
             SELECT 1 FROM confluo.execution e JOIN confluo.stage_group g ON g.id = $2
              WHERE e.id = $1 AND e.status = 'running' AND g.fired_at IS NOT NULL

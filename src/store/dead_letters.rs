@@ -40,7 +40,7 @@ pub(crate) async fn list(
     execution: Option<ExecutionId>,
     limit: i64,
 ) -> Result<Vec<DeadLetterRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "SELECT {COLUMNS}
            FROM confluo.task t
            JOIN confluo.execution e ON e.id = t.execution_id
@@ -73,7 +73,7 @@ pub(crate) async fn get(
     conn: &mut PgConnection,
     id: TaskId,
 ) -> Result<Option<DeadLetterDetailRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "SELECT {COLUMNS}, t.status, t.input, t.errors
            FROM confluo.task t
            JOIN confluo.execution e ON e.id = t.execution_id
@@ -91,7 +91,7 @@ pub(crate) async fn lock_execution(
     conn: &mut PgConnection,
     id: ExecutionId,
 ) -> Result<Option<(String, bool)>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT status, coalesce(deadline_at < now(), false) FROM confluo.execution
           WHERE id = $1 FOR NO KEY UPDATE",
     )
@@ -103,7 +103,7 @@ pub(crate) async fn lock_execution(
 /// Whether a group has fired.
 pub(crate) async fn group_fired(conn: &mut PgConnection, id: GroupId) -> Result<bool> {
     Ok(
-        sqlx::query_scalar("SELECT fired_at IS NOT NULL FROM confluo.stage_group WHERE id = $1")
+        super::query_scalar("SELECT fired_at IS NOT NULL FROM confluo.stage_group WHERE id = $1")
             .bind(id)
             .fetch_one(conn)
             .await?,
@@ -157,7 +157,7 @@ pub(crate) async fn requeue(
         fan_in::counters_sql("requeued", Count::Up),
         super::TASKS_CHANNEL,
     );
-    Ok(sqlx::query_as(&sql)
+    Ok(super::query_as(&sql)
         .bind(id)
         .bind(execution_id)
         .bind(resume)

@@ -62,7 +62,7 @@ pub(crate) async fn insert(
         deadline_ms,
         callback_url,
     } = new;
-    let inserted: Option<ExecutionId> = sqlx::query_scalar(
+    let inserted: Option<ExecutionId> = super::query_scalar(
         "INSERT INTO confluo.execution
                 (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at,
                  callback_url)
@@ -83,7 +83,7 @@ pub(crate) async fn insert(
     if let Some(id) = inserted {
         return Ok((id, true));
     }
-    let existing: ExecutionId = sqlx::query_scalar(
+    let existing: ExecutionId = super::query_scalar(
         "SELECT id FROM confluo.execution WHERE workflow_name = $1 AND idempotency_key = $2",
     )
     .bind(workflow_name)
@@ -120,7 +120,7 @@ pub(crate) async fn insert_many(
     let keys: Vec<Option<&str>> = rows.iter().map(|r| r.idempotency_key).collect();
     let deadlines: Vec<Option<i64>> = rows.iter().map(|r| r.deadline_ms).collect();
     let callbacks: Vec<Option<&str>> = rows.iter().map(|r| r.callback_url).collect();
-    let inserted: Vec<ExecutionId> = sqlx::query_scalar(
+    let inserted: Vec<ExecutionId> = super::query_scalar(
         "INSERT INTO confluo.execution
                 (id, workflow_name, workflow_version, input, idempotency_key, fan_in, deadline_at,
                  callback_url)
@@ -155,7 +155,7 @@ pub(crate) async fn insert_many(
     let existing: std::collections::HashMap<String, ExecutionId> = if taken.is_empty() {
         Default::default()
     } else {
-        sqlx::query_as::<_, (String, ExecutionId)>(
+        super::query_as::<(String, ExecutionId)>(
             "SELECT idempotency_key, id FROM confluo.execution
               WHERE workflow_name = $1 AND idempotency_key = ANY ($2::text[])",
         )
@@ -186,7 +186,7 @@ pub(crate) async fn complete_many(
     stages: &[i32],
     output_groups: &[GroupId],
 ) -> Result<u64> {
-    Ok(sqlx::query(
+    Ok(super::query(
         "UPDATE confluo.execution x
             SET status = 'completed', current_stage = v.stages, output_group = v.output_group,
                 updated_at = now(), finished_at = now()
@@ -208,7 +208,7 @@ pub(crate) async fn complete(
     stages: i32,
     output_group: GroupId,
 ) -> Result<bool> {
-    let done = sqlx::query(
+    let done = super::query(
         "UPDATE confluo.execution
             SET status = 'completed', current_stage = $2, output_group = $3,
                 updated_at = now(), finished_at = now()
@@ -233,7 +233,7 @@ pub(crate) async fn stop(
     status: &str,
     error: Option<&str>,
 ) -> Result<bool> {
-    let stopped = sqlx::query(
+    let stopped = super::query(
         "UPDATE confluo.execution
             SET status = $2, error = $3, updated_at = now(), finished_at = now()
           WHERE id = $1 AND status = 'running'",
@@ -256,7 +256,7 @@ pub(crate) async fn stop(
          SELECT count(*) FROM c_groups",
         fan_in::counters_sql("cancelled", Count::Down)
     );
-    sqlx::query(&sql).bind(id).execute(conn).await?;
+    super::query(&sql).bind(id).execute(conn).await?;
     Ok(true)
 }
 
@@ -264,7 +264,7 @@ pub(crate) async fn stop(
 /// in the caller's transaction, which holds the execution's lock. Returns false if it was
 /// not failed.
 pub(crate) async fn resume(conn: &mut PgConnection, id: ExecutionId) -> Result<bool> {
-    let resumed = sqlx::query(
+    let resumed = super::query(
         "UPDATE confluo.execution
             SET status = 'running', error = NULL, finished_at = NULL, updated_at = now()
           WHERE id = $1 AND status = 'failed'",
@@ -279,7 +279,7 @@ pub(crate) async fn resume(conn: &mut PgConnection, id: ExecutionId) -> Result<b
 /// Locks one running execution whose deadline has passed, skipping those another
 /// transaction holds (a sweeping worker, a completion firing a group).
 pub(crate) async fn lock_one_past_deadline(conn: &mut PgConnection) -> Result<Option<ExecutionId>> {
-    Ok(sqlx::query_scalar(
+    Ok(super::query_scalar(
         "SELECT id FROM confluo.execution
           WHERE status = 'running' AND deadline_at < now()
           ORDER BY deadline_at
@@ -293,10 +293,10 @@ pub(crate) async fn lock_one_past_deadline(conn: &mut PgConnection) -> Result<Op
 /// Reads one execution.
 pub(crate) async fn get<'e, E>(executor: E, id: ExecutionId) -> Result<Option<ExecutionRow>>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
     Ok(
-        sqlx::query_as("SELECT * FROM confluo.execution WHERE id = $1")
+        super::query_as("SELECT * FROM confluo.execution WHERE id = $1")
             .bind(id)
             .fetch_optional(executor)
             .await?,
@@ -306,10 +306,10 @@ where
 /// Reads only the status (cheap, for waiting).
 pub(crate) async fn status<'e, E>(executor: E, id: ExecutionId) -> Result<Option<String>>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
     Ok(
-        sqlx::query_scalar("SELECT status FROM confluo.execution WHERE id = $1")
+        super::query_scalar("SELECT status FROM confluo.execution WHERE id = $1")
             .bind(id)
             .fetch_optional(executor)
             .await?,
@@ -338,9 +338,9 @@ pub(crate) struct StageRow {
 
 pub(crate) async fn stages<'e, E>(executor: E, id: ExecutionId) -> Result<Vec<StageRow>>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT g.id, g.stage_index, g.stage_name, g.kind, g.width,
                 CASE g.fan_in
                     WHEN 'striped' THEN (SELECT sum(s.remaining)::int FROM confluo.group_stripe s
@@ -381,9 +381,9 @@ pub(crate) async fn dead_tasks<'e, E>(
     limit: i64,
 ) -> Result<Vec<DeadTaskRow>>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT id, stage_index, handler, item_index, attempt, errors FROM confluo.task
           WHERE execution_id = $1 AND status = 'dead'
           ORDER BY stage_index, item_index LIMIT $2",
@@ -397,10 +397,10 @@ where
 /// How many executions are in each status (statuses with none are left out).
 pub(crate) async fn count_by_status<'e, E>(executor: E) -> Result<Vec<(String, i64)>>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
     Ok(
-        sqlx::query_as("SELECT status, count(*) FROM confluo.execution GROUP BY status")
+        super::query_as("SELECT status, count(*) FROM confluo.execution GROUP BY status")
             .fetch_all(executor)
             .await?,
     )
@@ -414,9 +414,9 @@ pub(crate) async fn list<'e, E>(
     limit: i64,
 ) -> Result<Vec<ExecutionRow>>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT * FROM confluo.execution
           WHERE ($1::text IS NULL OR workflow_name = $1)
             AND ($2::text IS NULL OR status = $2)
@@ -438,9 +438,9 @@ pub(crate) async fn purgeable<'e, E>(
     cutoff: chrono::DateTime<chrono::Utc>,
 ) -> Result<i64>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    Ok(sqlx::query_scalar(
+    Ok(super::query_scalar(
         "SELECT count(*) FROM confluo.execution
           WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1
             AND NOT EXISTS (SELECT 1 FROM confluo.notification n
@@ -458,9 +458,9 @@ pub(crate) async fn purge<'e, E>(
     batch: i64,
 ) -> Result<u64>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    Ok(sqlx::query(
+    Ok(super::query(
         "DELETE FROM confluo.execution WHERE id IN (
             SELECT id FROM confluo.execution
              WHERE status IN ('completed', 'failed', 'cancelled', 'timed_out') AND finished_at < $1

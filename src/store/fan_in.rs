@@ -200,11 +200,11 @@ pub(crate) async fn complete_many(
     outputs: &[Json<&Value>],
 ) -> Result<Vec<CompletedRow>> {
     let query = match (ids, tokens, outputs) {
-        ([id], [token], [output]) => sqlx::query_as(&COMPLETE_ONE)
+        ([id], [token], [output]) => super::query_as(&COMPLETE_ONE)
             .bind(id)
             .bind(token)
             .bind(output),
-        _ => sqlx::query_as(&COMPLETE_MANY)
+        _ => super::query_as(&COMPLETE_MANY)
             .bind(ids)
             .bind(tokens)
             .bind(outputs),
@@ -274,11 +274,11 @@ pub(crate) async fn complete_many_unless_last(
     outputs: &[Json<&Value>],
 ) -> Result<bool> {
     let query = match (ids, tokens, outputs) {
-        ([id], [token], [output]) => sqlx::query_scalar(COMPLETE_ONE_UNLESS_LAST)
+        ([id], [token], [output]) => super::query_scalar(COMPLETE_ONE_UNLESS_LAST)
             .bind(id)
             .bind(token)
             .bind(output),
-        _ => sqlx::query_scalar(COMPLETE_MANY_UNLESS_LAST)
+        _ => super::query_scalar(COMPLETE_MANY_UNLESS_LAST)
             .bind(ids)
             .bind(tokens)
             .bind(outputs),
@@ -481,7 +481,7 @@ pub(crate) async fn fail(
         held!("t", "$1", "$2"),
         counters_sql("ended", Count::Down)
     );
-    Ok(sqlx::query_as(&sql)
+    Ok(super::query_as(&sql)
         .bind(id)
         .bind(token)
         .bind(error)
@@ -518,7 +518,7 @@ pub(crate) async fn cancel_claimed(
         held!("t", "$1", "$2"),
         counters_sql("cancelled", Count::Down)
     );
-    let cancelled: i64 = sqlx::query_scalar(&sql)
+    let cancelled: i64 = super::query_scalar(&sql)
         .bind(id)
         .bind(token)
         .fetch_one(conn)
@@ -532,7 +532,7 @@ pub(crate) async fn count_open_members(
     conn: &mut PgConnection,
     group_id: GroupId,
 ) -> Result<(i64, i64)> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT count(*) FILTER (WHERE status IN ('pending', 'running')), count(*)
            FROM confluo.task WHERE group_id = $1",
     )
@@ -596,7 +596,7 @@ pub(crate) async fn last_arrivals(
 /// Sets the fired marker of a group that nobody else can hold (an empty map, entered and
 /// fired in the transaction that created it): true if this call set it.
 pub(crate) async fn mark_fired(conn: &mut PgConnection, group_id: GroupId) -> Result<bool> {
-    let fired = sqlx::query(
+    let fired = super::query(
         "UPDATE confluo.stage_group SET fired_at = now()
           WHERE id = $1 AND fired_at IS NULL",
     )
@@ -625,7 +625,7 @@ pub(crate) async fn lock_and_mark_fired(
     id: ExecutionId,
     group_id: GroupId,
 ) -> Result<Option<FiringRow>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "WITH e AS (
             SELECT status, workflow_name, workflow_version, fan_in FROM confluo.execution
              WHERE id = $1 FOR NO KEY UPDATE
@@ -686,7 +686,7 @@ pub(crate) async fn lock_and_mark_fired_many(
            FROM v JOIN e ON e.id = v.execution_id",
         if nowait { "NOWAIT" } else { "" }
     );
-    Ok(sqlx::query_as(&sql)
+    Ok(super::query_as(&sql)
         .bind(executions)
         .bind(groups)
         .fetch_all(conn)

@@ -111,7 +111,7 @@ pub(crate) async fn create_stage(
            LEFT JOIN LATERAL (SELECT pg_notify($18, '') WHERE g.width > 0) woken ON true"
     );
     let retry = stage.retry_policy();
-    let query = sqlx::query_scalar::<_, i32>(&sql)
+    let query = super::query_scalar::<i32>(&sql)
         .bind(group_id)
         .bind(execution_id)
         .bind(stage_index as i32)
@@ -154,7 +154,7 @@ pub(crate) async fn create_first_stages(
     let stage: &Stage = &workflow.stages()[0];
     let retry = stage.retry_policy();
     let handlers = stage.handler_names();
-    sqlx::query(
+    super::query(
         "WITH g AS (
             INSERT INTO confluo.stage_group
                    (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
@@ -244,9 +244,9 @@ pub(crate) fn output_expression() -> String {
 /// The output of one group.
 pub(crate) async fn output<'e, E>(executor: E, group_id: GroupId) -> Result<Value>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    let value: Option<Value> = sqlx::query_scalar(&output_sql("g.id = $1"))
+    let value: Option<Value> = super::query_scalar(&output_sql("g.id = $1"))
         .bind(group_id)
         .fetch_optional(executor)
         .await?;

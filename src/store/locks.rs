@@ -31,7 +31,7 @@ use crate::ids::{ExecutionId, GroupId};
 
 /// Locks an execution.
 pub(crate) async fn execution(conn: &mut PgConnection, id: ExecutionId) -> Result<()> {
-    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
+    super::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
         .bind(id)
         .execute(conn)
         .await?;
@@ -40,17 +40,19 @@ pub(crate) async fn execution(conn: &mut PgConnection, id: ExecutionId) -> Resul
 
 /// Locks executions, in id order.
 pub(crate) async fn executions(conn: &mut PgConnection, ids: &[ExecutionId]) -> Result<()> {
-    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE")
-        .bind(ids)
-        .execute(conn)
-        .await?;
+    super::query(
+        "SELECT 1 FROM confluo.execution WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE",
+    )
+    .bind(ids)
+    .execute(conn)
+    .await?;
     Ok(())
 }
 
 /// Locks an execution as the row-lock fan-in does (`FOR UPDATE`), after writing the
 /// task's status: the exception above.
 pub(crate) async fn execution_for_update(conn: &mut PgConnection, id: ExecutionId) -> Result<()> {
-    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR UPDATE")
+    super::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR UPDATE")
         .bind(id)
         .execute(conn)
         .await?;
@@ -60,7 +62,7 @@ pub(crate) async fn execution_for_update(conn: &mut PgConnection, id: ExecutionI
 /// Locks a group's counters, its stripes then its row, as every statement that counts
 /// takes them: no arrival is in flight on them until the transaction ends.
 pub(crate) async fn counters(conn: &mut PgConnection, group: GroupId) -> Result<()> {
-    sqlx::query(
+    super::query(
         "SELECT 1 FROM confluo.group_stripe WHERE group_id = $1 ORDER BY stripe
             FOR NO KEY UPDATE",
     )
@@ -72,7 +74,7 @@ pub(crate) async fn counters(conn: &mut PgConnection, group: GroupId) -> Result<
 
 /// Locks a group's row (its stripes, if any, already locked).
 pub(crate) async fn group_row(conn: &mut PgConnection, group: GroupId) -> Result<()> {
-    sqlx::query("SELECT 1 FROM confluo.stage_group WHERE id = $1 FOR NO KEY UPDATE")
+    super::query("SELECT 1 FROM confluo.stage_group WHERE id = $1 FOR NO KEY UPDATE")
         .bind(group)
         .execute(conn)
         .await?;

@@ -45,7 +45,7 @@ pub(crate) async fn urgent_first(
     stage_index: i32,
     limit: i64,
 ) -> Result<Vec<MemberListRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "SELECT {COLUMNS} FROM confluo.task
           WHERE execution_id = $1 AND stage_index = $2
           ORDER BY status = 'completed', item_index
@@ -70,7 +70,7 @@ pub(crate) async fn page(
     status: Option<&str>,
     limit: i64,
 ) -> Result<Vec<MemberListRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "SELECT {COLUMNS} FROM confluo.task
           WHERE group_id = (SELECT id FROM confluo.stage_group
                              WHERE execution_id = $1 AND stage_index = $2)
@@ -93,7 +93,7 @@ pub(crate) async fn detail(
     conn: &mut PgConnection,
     task: TaskId,
 ) -> Result<Option<MemberDetailRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "SELECT {COLUMNS}, execution_id, stage_index, input, output, errors
            FROM confluo.task WHERE id = $1"
     ))

@@ -19,6 +19,8 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 
 use crate::error::{Error, Result};
 
+pub(crate) use statement::{query, query_as, query_scalar, use_unnamed_statements, Executor};
+
 pub(crate) mod activity;
 pub(crate) mod audit;
 pub(crate) mod dead_letters;
@@ -30,6 +32,7 @@ pub(crate) mod members;
 pub(crate) mod notifications;
 pub(crate) mod outputs;
 pub(crate) mod plans;
+mod statement;
 pub(crate) mod tasks;
 pub(crate) mod workers;
 pub(crate) mod workflows;
@@ -73,10 +76,9 @@ pub(crate) const READ_COMMITTED_OPTION: (&str, &str) =
 /// Refuses a pool whose connections default to another isolation level than READ
 /// COMMITTED (they share the server's, database's and role's defaults, so one tells).
 pub(crate) async fn check_isolation(pool: &PgPool) -> Result<()> {
-    let found: String =
-        sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
-            .fetch_one(pool)
-            .await?;
+    let found: String = query_scalar("SELECT current_setting('default_transaction_isolation')")
+        .fetch_one(pool)
+        .await?;
     if found == "read committed" {
         Ok(())
     } else {
@@ -93,7 +95,7 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 /// newest migration's column and reads no row (an older schema fails it, and the caller
 /// gets [`Error::NotMigrated`]).
 pub(crate) async fn probe(pool: &PgPool) -> Result<()> {
-    sqlx::query("SELECT claim FROM confluo.notification LIMIT 0")
+    query("SELECT claim FROM confluo.notification LIMIT 0")
         .execute(pool)
         .await?;
     Ok(())
@@ -109,14 +111,14 @@ pub(crate) async fn migrate(pool: &PgPool) -> Result<()> {
 
 async fn migrate_on(conn: &mut PgConnection) -> Result<()> {
     // Any constant key will do: it only has to be the same in every process.
-    sqlx::query("SELECT pg_advisory_lock(hashtext('confluo.migrate'))")
+    query("SELECT pg_advisory_lock(hashtext('confluo.migrate'))")
         .execute(&mut *conn)
         .await?;
     let result = async {
-        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+        query(&format!("CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
             .execute(&mut *conn)
             .await?;
-        sqlx::query(&format!("SET search_path TO {SCHEMA}"))
+        query(&format!("SET search_path TO {SCHEMA}"))
             .execute(&mut *conn)
             .await?;
         // `run_direct` is `run` without its `Acquire` bound, whose future is not `Send`
@@ -125,7 +127,7 @@ async fn migrate_on(conn: &mut PgConnection) -> Result<()> {
         Ok(())
     }
     .await;
-    sqlx::query("SELECT pg_advisory_unlock(hashtext('confluo.migrate'))")
+    query("SELECT pg_advisory_unlock(hashtext('confluo.migrate'))")
         .execute(&mut *conn)
         .await?;
     result

@@ -8,7 +8,7 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::types::Json;
-use sqlx::{FromRow, PgExecutor};
+use sqlx::FromRow;
 use uuid::Uuid;
 
 use crate::error::Result;
@@ -38,11 +38,11 @@ const COLUMNS: &str = "id, execution_id, url, event, payload, status, attempts, 
                        next_attempt_at, last_status, last_error, created_at, delivered_at, claim";
 
 /// An execution's notifications, oldest first.
-pub(crate) async fn of_execution<'e, E: PgExecutor<'e>>(
+pub(crate) async fn of_execution<'e, E: super::Executor<'e>>(
     executor: E,
     execution: ExecutionId,
 ) -> Result<Vec<NotificationRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "SELECT {COLUMNS} FROM confluo.notification
           WHERE execution_id = $1 ORDER BY created_at, id"
     ))
@@ -52,12 +52,12 @@ pub(crate) async fn of_execution<'e, E: PgExecutor<'e>>(
 }
 
 /// Notifications in `status` (any when `None`), the newest first.
-pub(crate) async fn list<'e, E: PgExecutor<'e>>(
+pub(crate) async fn list<'e, E: super::Executor<'e>>(
     executor: E,
     status: Option<&str>,
     limit: i64,
 ) -> Result<Vec<NotificationRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "SELECT {COLUMNS} FROM confluo.notification
           WHERE $1::text IS NULL OR status = $1
           ORDER BY created_at DESC, id LIMIT $2"
@@ -72,12 +72,12 @@ pub(crate) async fn list<'e, E: PgExecutor<'e>>(
 /// moves `next_attempt_at` `lease_ms` ahead, so that nobody else tries them meanwhile and
 /// anyone may once it has passed (the worker died mid-attempt). Autocommitted.
 #[cfg(feature = "webhooks")]
-pub(crate) async fn claim_due<'e, E: PgExecutor<'e>>(
+pub(crate) async fn claim_due<'e, E: super::Executor<'e>>(
     executor: E,
     limit: i64,
     lease_ms: i64,
 ) -> Result<Vec<NotificationRow>> {
-    Ok(sqlx::query_as(&format!(
+    Ok(super::query_as(&format!(
         "UPDATE confluo.notification n
             SET attempts = n.attempts + 1, claim = gen_random_uuid(),
                 next_attempt_at = now() + $2 * interval '1 millisecond'
@@ -103,13 +103,13 @@ pub(crate) async fn claim_due<'e, E: PgExecutor<'e>>(
 /// Records a delivery (a 2xx answer). Only the attempt holding the latest claim records:
 /// a later claim (the lease ran out) replaced the token. A row already delivered stays.
 #[cfg(feature = "webhooks")]
-pub(crate) async fn delivered<'e, E: PgExecutor<'e>>(
+pub(crate) async fn delivered<'e, E: super::Executor<'e>>(
     executor: E,
     id: Uuid,
     claim: Uuid,
     http_status: i32,
 ) -> Result<()> {
-    sqlx::query(
+    super::query(
         "UPDATE confluo.notification
             SET status = 'delivered', delivered_at = now(), last_status = $3, last_error = NULL
           WHERE id = $1 AND claim = $2 AND status = 'pending'",
@@ -125,7 +125,7 @@ pub(crate) async fn delivered<'e, E: PgExecutor<'e>>(
 /// Records a failed attempt (guarded by its claim, as [`delivered`]): tried again after
 /// `retry_in_ms`, or, with `None`, given up (`failed`).
 #[cfg(feature = "webhooks")]
-pub(crate) async fn attempt_failed<'e, E: PgExecutor<'e>>(
+pub(crate) async fn attempt_failed<'e, E: super::Executor<'e>>(
     executor: E,
     id: Uuid,
     claim: Uuid,
@@ -133,7 +133,7 @@ pub(crate) async fn attempt_failed<'e, E: PgExecutor<'e>>(
     error: &str,
     retry_in_ms: Option<i64>,
 ) -> Result<()> {
-    sqlx::query(
+    super::query(
         "UPDATE confluo.notification
             SET status = CASE WHEN $5::int8 IS NULL THEN 'failed' ELSE 'pending' END,
                 next_attempt_at = now() + coalesce($5, 0) * interval '1 millisecond',
@@ -152,8 +152,8 @@ pub(crate) async fn attempt_failed<'e, E: PgExecutor<'e>>(
 
 /// Puts a failed notification back in the queue with a fresh attempt budget, due now.
 /// Whether it was failed (a delivered or pending one is left as it is).
-pub(crate) async fn retry<'e, E: PgExecutor<'e>>(executor: E, id: Uuid) -> Result<bool> {
-    let done = sqlx::query(
+pub(crate) async fn retry<'e, E: super::Executor<'e>>(executor: E, id: Uuid) -> Result<bool> {
+    let done = super::query(
         "UPDATE confluo.notification
             SET status = 'pending', attempts = 0, next_attempt_at = now(), claim = NULL
           WHERE id = $1 AND status = 'failed'",

@@ -45,7 +45,7 @@ pub(crate) async fn stage_output_within(
            FROM g, size",
         aggregate = groups::output_expression()
     );
-    let row: Option<(i64, Option<Value>)> = sqlx::query_as(&sql)
+    let row: Option<(i64, Option<Value>)> = super::query_as(&sql)
         .bind(execution_id)
         .bind(stage_index)
         .bind(limit)
@@ -79,7 +79,7 @@ pub(crate) async fn page(
     after: i32,
     limit: i64,
 ) -> Result<Vec<MemberOutputRow>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT t.item_index, t.handler, t.status, t.attempt, t.output,
                 t.errors -> -1 ->> 'error' AS error
            FROM confluo.stage_group g JOIN confluo.task t ON t.group_id = g.id
@@ -101,7 +101,7 @@ pub(crate) async fn stage_entered(
     execution_id: ExecutionId,
     stage_index: i32,
 ) -> Result<bool> {
-    Ok(sqlx::query_scalar(
+    Ok(super::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM confluo.stage_group
                          WHERE execution_id = $1 AND stage_index = $2)",
     )

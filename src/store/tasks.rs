@@ -128,7 +128,7 @@ pub(crate) async fn claim(
         ),
         Some(_) => claim_sql(PICK_BY_HANDLER, queued),
     };
-    let query = sqlx::query_as(&sql)
+    let query = super::query_as(&sql)
         .bind(limit)
         .bind(lease_ms)
         .bind(worker_id);
@@ -161,7 +161,7 @@ pub(crate) async fn claim_entered(
             FOR UPDATE OF x SKIP LOCKED",
         true,
     );
-    Ok(sqlx::query_as(&sql)
+    Ok(super::query_as(&sql)
         .bind(limit)
         .bind(lease_ms)
         .bind(worker_id)
@@ -201,7 +201,7 @@ pub(crate) async fn renew_lease(
     token: LeaseToken,
     lease_ms: i64,
 ) -> Result<Option<String>> {
-    Ok(sqlx::query_scalar(concat!(
+    Ok(super::query_scalar(concat!(
         "UPDATE confluo.task t
             SET lease_expires_at = now() + $3 * interval '1 millisecond', started = true
           WHERE ",
@@ -231,7 +231,7 @@ pub(crate) async fn renew_leases(
     started: &[bool],
     lease_ms: i64,
 ) -> Result<Vec<(TaskId, String)>> {
-    Ok(sqlx::query_as(concat!(
+    Ok(super::query_as(concat!(
         "WITH held AS (",
         held_rows!(
             "unnest($1::uuid[], $2::uuid[], $4::bool[]) AS u(id, token, started)",
@@ -262,7 +262,7 @@ pub(crate) async fn release(
     id: TaskId,
     token: LeaseToken,
 ) -> Result<bool> {
-    let rows = sqlx::query(concat!(
+    let rows = super::query(concat!(
         "UPDATE confluo.task t
             SET status = 'pending', attempt = t.attempt - 1, run_at = now(), lease_expires_at = NULL
           WHERE ",
@@ -284,7 +284,7 @@ pub(crate) async fn release_many(
     ids: &[TaskId],
     tokens: &[LeaseToken],
 ) -> Result<Vec<TaskId>> {
-    Ok(sqlx::query_scalar(concat!(
+    Ok(super::query_scalar(concat!(
         "WITH held AS (",
         held_rows!(
             "unnest($1::uuid[], $2::uuid[]) AS u(id, token)",
@@ -315,7 +315,7 @@ pub(crate) async fn status_and_token(
     id: TaskId,
 ) -> Result<Option<(String, Option<LeaseToken>)>> {
     Ok(
-        sqlx::query_as("SELECT status, lease_token FROM confluo.task WHERE id = $1")
+        super::query_as("SELECT status, lease_token FROM confluo.task WHERE id = $1")
             .bind(id)
             .fetch_optional(conn)
             .await?,
@@ -342,7 +342,7 @@ pub(crate) async fn expired_leases(
     limit: i64,
     skip: &[TaskId],
 ) -> Result<Vec<ExpiredRow>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT id, lease_token, execution_id, workflow_name, workflow_version, stage_index,
                 attempt, max_attempts,
                 (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in
@@ -366,7 +366,7 @@ pub(crate) async fn held(
         "SELECT {CLAIMED_COLUMNS} FROM confluo.task t WHERE {}",
         held!("t", "$1", "$2")
     );
-    Ok(sqlx::query_as(&sql)
+    Ok(super::query_as(&sql)
         .bind(id)
         .bind(token)
         .fetch_optional(conn)
@@ -381,7 +381,7 @@ pub(crate) async fn set_aside(
     tokens: &[LeaseToken],
     delay_ms: i64,
 ) -> Result<u64> {
-    Ok(sqlx::query(concat!(
+    Ok(super::query(concat!(
         "WITH held AS (",
         held_rows!(
             "unnest($1::uuid[], $2::uuid[]) AS u(id, token)",
@@ -414,7 +414,7 @@ pub(crate) struct DepthRow {
 
 /// Counts tasks due, scheduled and running (through the partial indexes on both states).
 pub(crate) async fn queue_depth(conn: &mut PgConnection) -> Result<DepthRow> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT (SELECT count(*) FROM confluo.task WHERE status = 'pending' AND run_at <= now()) AS due,
                 (SELECT count(*) FROM confluo.task WHERE status = 'pending' AND run_at > now()) AS scheduled,
                 (SELECT count(*) FROM confluo.task

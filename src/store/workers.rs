@@ -21,7 +21,7 @@ pub(crate) struct Registration<'a> {
 /// Writes a starting worker's row (a restarted worker that keeps its id takes its row
 /// over).
 pub(crate) async fn register(conn: &mut PgConnection, w: &Registration<'_>) -> Result<()> {
-    sqlx::query(
+    super::query(
         "INSERT INTO confluo.worker
                 (id, host, pid, version, handlers, concurrency, heartbeat_ms)
          VALUES ($1, $2, $3, $4, $5, $6, $7)
@@ -54,7 +54,7 @@ pub(crate) async fn heartbeat(
     held: i32,
     retention_ms: i64,
 ) -> Result<bool> {
-    let rows = sqlx::query(
+    let rows = super::query(
         "WITH aged_out AS (
             DELETE FROM confluo.worker
              WHERE last_seen < now() - $4 * interval '1 millisecond' AND id <> $1
@@ -74,7 +74,7 @@ pub(crate) async fn heartbeat(
 
 /// Marks a worker stopped.
 pub(crate) async fn stopped(conn: &mut PgConnection, id: &str) -> Result<()> {
-    sqlx::query(
+    super::query(
         "UPDATE confluo.worker SET stopped_at = now(), last_seen = now(), running = 0, held = 0
           WHERE id = $1",
     )
@@ -104,7 +104,7 @@ pub(crate) struct WorkerRow {
 
 /// Every registered worker: alive first, then lost, then stopped; by id within each.
 pub(crate) async fn list(conn: &mut PgConnection) -> Result<Vec<WorkerRow>> {
-    Ok(sqlx::query_as(
+    Ok(super::query_as(
         "SELECT id, host, pid, version, handlers, concurrency, running, held, started_at,
                 last_seen, stopped_at, state
            FROM confluo.worker w

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 /// Stores a definition; registering the same one again is a no-op, a different one under
 /// the same name and version is a conflict.
 pub(crate) async fn register(pool: &PgPool, workflow: &Workflow) -> Result<()> {
-    let inserted = sqlx::query(
+    let inserted = super::query(
         "INSERT INTO confluo.workflow (name, version, definition) VALUES ($1, $2, $3)
          ON CONFLICT (name, version) DO NOTHING",
     )
@@ -37,9 +37,9 @@ pub(crate) async fn register(pool: &PgPool, workflow: &Workflow) -> Result<()> {
 /// Loads one version, or the latest when `version` is `None`.
 pub(crate) async fn load<'e, E>(executor: E, name: &str, version: Option<i32>) -> Result<Workflow>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    let row: Option<(Json<Workflow>,)> = sqlx::query_as(
+    let row: Option<(Json<Workflow>,)> = super::query_as(
         "SELECT definition FROM confluo.workflow
           WHERE name = $1 AND ($2::int IS NULL OR version = $2)
           ORDER BY version DESC LIMIT 1",
@@ -58,10 +58,10 @@ where
 /// The latest registered version of `name`.
 pub(crate) async fn latest_version<'e, E>(executor: E, name: &str) -> Result<i32>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
     let version: Option<i32> =
-        sqlx::query_scalar("SELECT max(version) FROM confluo.workflow WHERE name = $1")
+        super::query_scalar("SELECT max(version) FROM confluo.workflow WHERE name = $1")
             .bind(name)
             .fetch_one(executor)
             .await?;
@@ -78,9 +78,9 @@ pub(crate) async fn all<'e, E>(
     name: Option<&str>,
 ) -> Result<Vec<(Workflow, DateTime<Utc>)>>
 where
-    E: sqlx::PgExecutor<'e>,
+    E: super::Executor<'e>,
 {
-    let rows: Vec<(Json<Workflow>, DateTime<Utc>)> = sqlx::query_as(
+    let rows: Vec<(Json<Workflow>, DateTime<Utc>)> = super::query_as(
         "SELECT definition, created_at FROM confluo.workflow
           WHERE $1::text IS NULL OR name = $1
           ORDER BY name, version DESC",

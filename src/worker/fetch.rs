@@ -188,10 +188,12 @@ pub(super) async fn housekeeping(state: Arc<State>) {
 /// Wakes the fetcher on every notification; reconnects on error. Returns at once when
 /// notifications are off.
 pub(super) async fn listen(state: Arc<State>) {
+    let pooled = state.engine.through_transaction_pooler();
     let options = match &state.settings.notifications {
-        Notifications::Pool => (*state.engine.pool().connect_options()).clone(),
-        Notifications::Direct(options) => (**options).clone(),
-        Notifications::Off => return,
+        None if pooled => return,
+        None | Some(Notifications::Pool) => (*state.engine.pool().connect_options()).clone(),
+        Some(Notifications::Direct(options)) => (**options).clone(),
+        Some(Notifications::Off) => return,
     };
     loop {
         let result = async {

@@ -75,7 +75,9 @@ struct Settings {
     grace: Duration,
     partial: bool,
     inline_block_input: u64,
-    notifications: Notifications,
+    /// `None`: [`Notifications::Pool`], or [`Notifications::Off`] behind a transaction
+    /// pooler.
+    notifications: Option<Notifications>,
 }
 
 /// How a worker hears that tasks became claimable, between its polls
@@ -153,7 +155,7 @@ impl WorkerBuilder {
                 grace: Duration::from_secs(10),
                 partial: false,
                 inline_block_input: crate::outputs::DEFAULT_INLINE_BLOCK_INPUT,
-                notifications: Notifications::Pool,
+                notifications: None,
             },
         }
     }
@@ -260,11 +262,12 @@ impl WorkerBuilder {
     }
 
     /// How the worker hears of new tasks between polls (default [`Notifications::Pool`]:
-    /// `LISTEN` on one more connection, opened like the pool's). Behind PgBouncer in
-    /// transaction mode, give a direct connection ([`Notifications::Direct`]) or poll only
-    /// ([`Notifications::Off`]); see the README's PgBouncer section.
+    /// `LISTEN` on one more connection, opened like the pool's). Behind a transaction
+    /// pooler ([`EngineBuilder::transaction_pooler`](crate::EngineBuilder::transaction_pooler))
+    /// the default is [`Notifications::Off`]; give a direct connection
+    /// ([`Notifications::Direct`]) to be woken at once. See the README's PgBouncer section.
     pub fn notifications(mut self, notifications: Notifications) -> Self {
-        self.settings.notifications = notifications;
+        self.settings.notifications = Some(notifications);
         self
     }
 
@@ -310,7 +313,8 @@ impl WorkerBuilder {
     /// # Errors
     /// [`Error::MissingHandler`]; [`Error::WorkflowNotFound`] for a workflow that is not
     /// registered; [`Error::IsolationNotReadCommitted`] for a pool whose sessions default
-    /// to another isolation level (see [`Engine::new`]); [`Error::Database`].
+    /// to another isolation level (see [`Engine::new`]); [`Error::NeedsDirectConnection`]
+    /// for [`Notifications::Pool`] behind a transaction pooler; [`Error::Database`].
     ///
     /// # Cancel safety
     /// Dropped before it returns, no worker was started.
@@ -319,7 +323,19 @@ impl WorkerBuilder {
         if served.is_empty() {
             return Err(Error::NoHandlers);
         }
-        crate::store::check_isolation(self.engine.pool()).await?;
+        if self.engine.through_transaction_pooler() {
+            // Every statement runs in a transaction that pins READ COMMITTED.
+            if matches!(self.settings.notifications, Some(Notifications::Pool)) {
+                return Err(Error::NeedsDirectConnection {
+                    what: "a worker's LISTEN",
+                    remedy: "give the worker a direct connection for it \
+                             (.notifications(Notifications::Direct(options))), or let it poll \
+                             (Notifications::Off, the default behind a pooler)",
+                });
+            }
+        } else {
+            crate::store::check_isolation(self.engine.pool()).await?;
+        }
         for workflow in served {
             let definition = workflows::load(self.engine.pool(), workflow, None).await?;
             for name in definition.handler_names() {
