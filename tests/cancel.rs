@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{TestDb, STRATEGIES};
-use confluo::{Engine, ExecutionStatus, FanInStrategy, Outcome, Stage, TaskError, Workflow};
+use confluo::{ExecutionStatus, FanInStrategy, Outcome, Stage, TaskError, Workflow};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -100,7 +100,7 @@ async fn running_handlers_see_the_cancellation_and_their_late_completions_change
     .await;
     let saw_cancel = Arc::new(AtomicBool::new(false));
     let seen = saw_cancel.clone();
-    let worker = Engine::new(db.new_pool(4).await)
+    let worker = common::engine(db.new_pool(4).await)
         .worker()
         .lease(Duration::from_millis(600))
         .handler("slow", "wait", move |t| {

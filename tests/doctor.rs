@@ -192,7 +192,7 @@ async fn finds_nothing_and_repairs_nothing_while_workers_run() {
         .stage(Stage::map("again"))
         .step("sum");
     db.register(&wf).await;
-    let worker = Engine::new(db.new_pool(6).await)
+    let worker = common::engine(db.new_pool(6).await)
         .worker()
         .concurrency(16)
         .handler("busy", "member", |t| async move {

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use common::{fast_retry, quick_worker, TestDb, STRATEGIES, WAIT};
 use confluo::{
-    Engine, ExecutionStatus, FanInStrategy, MapResults, ParallelResults, RetryPolicy, Stage,
-    TaskError, Workflow,
+    ExecutionStatus, FanInStrategy, MapResults, ParallelResults, RetryPolicy, Stage, TaskError,
+    Workflow,
 };
 use serde_json::{json, Value};
 
@@ -282,7 +282,7 @@ async fn killed_connections_lose_no_task() {
     let db = TestDb::new(10).await;
     db.register(&Workflow::new("kill", 1).map("item").step("count"))
         .await;
-    let worker_engine = Engine::new(db.new_pool(6).await);
+    let worker_engine = common::engine(db.new_pool(6).await);
     let worker = quick_worker(&worker_engine, |w| {
         w.lease(Duration::from_secs(2))
             .handler("kill", "item", |t| async move {

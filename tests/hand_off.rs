@@ -21,6 +21,7 @@ async fn the_firing_batch_claims_the_next_stage_for_its_worker() {
         .worker()
         .concurrency(4)
         // Woken by notifications only: no poll's claim can hold the room at a fire.
+        .notifications(db.listening())
         .poll_interval(std::time::Duration::from_secs(60))
         .handler("relay", "fan", |_| async { Ok::<_, TaskError>(1) })
         .handler("relay", "join", |_| async { Ok::<_, TaskError>(()) })

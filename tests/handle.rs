@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::TestDb;
-use confluo::{Engine, ExecutionStatus, Outcome, StartOptions, Workflow};
+use confluo::{ExecutionStatus, Outcome, StartOptions, Workflow};
 use serde_json::json;
 
 const LEASE: Duration = Duration::from_secs(60);
@@ -25,7 +25,7 @@ async fn a_stored_lease_acknowledges_after_a_restart() {
             .unwrap();
         (claimed[0].id(), claimed[0].lease())
     }; // the service stores these two, and restarts
-    let engine = Engine::new(db.new_pool(2).await);
+    let engine = common::engine(db.new_pool(2).await);
     let held = engine
         .claimed(task, lease)
         .await

@@ -50,7 +50,7 @@ async fn row_lock_fan_in_fires_once_when_sessions_default_to_repeatable_read() {
         .await
         .unwrap();
     assert_eq!(level, "repeatable read", "the sessions are not pinned");
-    let engine = Engine::new(pool);
+    let engine = common::engine(pool);
     engine
         .register(
             &Workflow::new("pair", 1)

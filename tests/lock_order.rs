@@ -50,8 +50,8 @@ where
     for strategy in STRATEGIES {
         let (a, b) = (db.new_pool(2).await, db.new_pool(2).await);
         let (reprocessor, other) = (
-            Engine::builder(a.clone()).fan_in(strategy).build(),
-            Engine::builder(b.clone()).fan_in(strategy).build(),
+            common::engine_builder(a.clone()).fan_in(strategy).build(),
+            common::engine_builder(b.clone()).fan_in(strategy).build(),
         );
         reprocessor
             .register(
@@ -160,7 +160,7 @@ async fn reprocess_racing_the_last_completions_never_deadlocks() {
             let pools: Vec<_> = racing_pools(&db, 4).await;
             let engines: Vec<Engine> = pools
                 .iter()
-                .map(|p| Engine::builder(p.clone()).fan_in(strategy).build())
+                .map(|p| common::engine_builder(p.clone()).fan_in(strategy).build())
                 .collect();
             // The map is the last stage (no next stage for a later round's claim to
             // pick up); its firing completes the execution.

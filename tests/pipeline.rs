@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{eventually, TestDb, WAIT};
-use confluo::{Engine, ExecutionStatus, Stage, StartOptions, TaskError, Workflow};
+use confluo::{ExecutionStatus, Stage, StartOptions, TaskError, Workflow};
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
@@ -429,7 +429,7 @@ async fn start_many_racing_on_the_same_keys_starts_each_once() {
     let barrier = Arc::new(tokio::sync::Barrier::new(2));
     let mut racers = Vec::new();
     for offset in [0, 25] {
-        let engine = Engine::new(db.new_pool(2).await);
+        let engine = common::engine(db.new_pool(2).await);
         let barrier = barrier.clone();
         racers.push(tokio::spawn(async move {
             let mut items: Vec<_> = (offset..offset + 50)
@@ -575,7 +575,7 @@ async fn a_crash_charges_only_the_attempts_that_started() {
                 .connect_with(options)
                 .await
                 .unwrap();
-            Engine::new(pool)
+            common::engine(pool)
                 .worker()
                 .concurrency(2)
                 .local_queue(8)

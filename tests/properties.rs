@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::TestDb;
-use confluo::{Engine, ExecutionStatus, FanInStrategy, Outcome, RetryPolicy, Stage, Workflow};
+use confluo::{ExecutionStatus, FanInStrategy, Outcome, RetryPolicy, Stage, Workflow};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -194,7 +194,7 @@ async fn run(case: &Case) -> Result<(), String> {
     let violations = Arc::new(Mutex::new(Vec::<String>::new()));
     let mut workers = Vec::new();
     for w in 0..case.workers {
-        let engine = Engine::new(db.new_pool(2).await);
+        let engine = common::engine(db.new_pool(2).await);
         engine.register(&wf).await.unwrap();
         let (case, done, fired, violations) = (
             case.clone(),

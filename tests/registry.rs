@@ -106,7 +106,7 @@ async fn a_dead_worker_is_lost_then_ages_out() {
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         runtime.block_on(async move {
-            let engine = Engine::new(
+            let engine = common::engine(
                 sqlx::postgres::PgPoolOptions::new()
                     .max_connections(2)
                     .connect_with(options)

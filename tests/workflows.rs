@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{quick_worker, TestDb, WAIT};
 use confluo::{
-    Engine, ExecutionStatus, FanInStrategy, MapResults, RetryPolicy, Stage, TaskError, Workflow,
+    ExecutionStatus, FanInStrategy, MapResults, RetryPolicy, Stage, TaskError, Workflow,
 };
 use serde_json::json;
 
@@ -132,7 +132,7 @@ async fn several_workers_with_separate_pools_share_the_work() {
         .await;
     let mut workers = Vec::new();
     for i in 0..3 {
-        let engine = Engine::new(db.new_pool(5).await);
+        let engine = common::engine(db.new_pool(5).await);
         workers.push(
             engine
                 .worker()
@@ -192,6 +192,7 @@ async fn notifications_wake_idle_workers_without_waiting_for_the_poll() {
     let worker = db
         .engine
         .worker()
+        .notifications(db.listening())
         .poll_interval(Duration::from_secs(60))
         .handler("wake", "a", |_| async { Ok::<_, TaskError>(1) })
         .handler("wake", "b", |_| async { Ok::<_, TaskError>(2) })
@@ -216,7 +217,7 @@ async fn notifications_wake_idle_workers_without_waiting_for_the_poll() {
 async fn an_engine_default_strategy_applies_to_every_group_and_is_stored_on_it() {
     let db = TestDb::new(10).await;
     // The engine's default is row-lock; one stage overrides it with the countdown.
-    let engine = Engine::builder(db.pool.clone())
+    let engine = common::engine_builder(db.pool.clone())
         .fan_in(FanInStrategy::RowLock)
         .build();
     engine

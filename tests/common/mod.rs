@@ -17,6 +17,32 @@ use confluo::Engine;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
+/// An engine on the database of `pool`: on `pool` itself, or, when this run goes through
+/// PgBouncer (`CONFLUO_TEST_PGBOUNCER`), on a pool of the same size through it, told so
+/// (`transaction_pooler`). The tests' own SQL keeps `pool`, a direct one.
+pub fn engine(pool: PgPool) -> Engine {
+    engine_builder(pool).build()
+}
+
+/// [`Engine::builder`], as [`engine`] says.
+pub fn engine_builder(pool: PgPool) -> confluo::EngineBuilder {
+    match pgbouncer() {
+        Some(bouncer) => {
+            let database = pool
+                .connect_options()
+                .get_database()
+                .expect("a test pool names its database")
+                .to_owned();
+            let through = PgPoolOptions::new()
+                .max_connections(pool.options().get_max_connections())
+                .acquire_timeout(Duration::from_secs(60))
+                .connect_lazy_with(bouncer.clone().database(&database));
+            Engine::builder(through).transaction_pooler()
+        }
+        None => Engine::builder(pool),
+    }
+}
+
 /// A database of its own for one test; dropped (with its connections) when the test ends.
 pub struct TestDb {
     pub engine: Engine,
@@ -40,7 +66,8 @@ impl TestDb {
         let template = ensure_template(&admin).await;
         let name = format!("confluo_t_{}", uuid::Uuid::new_v4().simple());
         // Before the database exists: a bad CONFLUO_TEST_PGBOUNCER leaves nothing behind.
-        let mut options = client_options(&admin, &name);
+        let _ = pgbouncer();
+        let mut options = admin.clone().database(&name);
         let mut conn = admin
             .connect()
             .await
@@ -68,7 +95,7 @@ impl TestDb {
             .await
             .expect("connect to the test database");
         TestDb {
-            engine: Engine::new(pool.clone()),
+            engine: engine(pool.clone()),
             pool,
             name,
             _share: share,
@@ -110,6 +137,17 @@ impl TestDb {
         self.admin.clone().database(&self.name)
     }
 
+    /// How a worker of a test that needs notifications listens: on a connection like its
+    /// pool's, or, behind PgBouncer, on a direct one (a `LISTEN` through a transaction
+    /// pooler is lost as soon as its statement ends).
+    pub fn listening(&self) -> confluo::Notifications {
+        if Self::through_pgbouncer() {
+            confluo::Notifications::Direct(Box::new(self.direct_options()))
+        } else {
+            confluo::Notifications::Pool
+        }
+    }
+
     /// Whether this run reaches the databases through PgBouncer (`CONFLUO_TEST_PGBOUNCER`).
     pub fn through_pgbouncer() -> bool {
         pgbouncer().is_some()
@@ -117,7 +155,7 @@ impl TestDb {
 
     /// The database's connect options, never pinned to an isolation level.
     pub fn unpinned_options(&self) -> PgConnectOptions {
-        client_options(&self.admin, &self.name)
+        self.admin.clone().database(&self.name)
     }
 }
 
@@ -160,28 +198,18 @@ where
     .join()
 }
 
-/// How tests reach a database: directly, or with `CONFLUO_TEST_PGBOUNCER` (the URL of a
-/// PgBouncer in transaction mode in front of the server of `DATABASE_URL`, e.g.
-/// `postgres://postgres@127.0.0.1:6432/postgres`) through it, without named prepared
-/// statements, as the README says a service behind PgBouncer connects. Databases are
-/// created and dropped over the direct connection either way.
-fn client_options(admin: &PgConnectOptions, database: &str) -> PgConnectOptions {
-    match pgbouncer() {
-        Some(bouncer) => bouncer.clone().database(database),
-        None => admin.clone().database(database),
-    }
-}
-
-/// The PgBouncer of `CONFLUO_TEST_PGBOUNCER`, checked once to be one (its admin console
-/// answers `SHOW VERSION`), so that a run meant to go through it cannot go around it.
+/// The PgBouncer of `CONFLUO_TEST_PGBOUNCER` (a PgBouncer in transaction mode in front of
+/// the server of `DATABASE_URL`, e.g. `postgres://postgres@127.0.0.1:16432/postgres`, as
+/// `.ci/pgbouncer` starts one), checked once to be one (its admin console answers `SHOW
+/// VERSION`), so that a run meant to go through it cannot go around it. The engines'
+/// pools go through it ([`engine`]); databases are created, checked and dropped directly.
 fn pgbouncer() -> Option<&'static PgConnectOptions> {
     static BOUNCER: OnceLock<Option<PgConnectOptions>> = OnceLock::new();
     BOUNCER
         .get_or_init(|| {
             let url = std::env::var("CONFLUO_TEST_PGBOUNCER").ok()?;
             let options = PgConnectOptions::from_str(&url)
-                .expect("CONFLUO_TEST_PGBOUNCER is not a valid PostgreSQL URL")
-                .statement_cache_capacity(0);
+                .expect("CONFLUO_TEST_PGBOUNCER is not a valid PostgreSQL URL");
             let console = options.clone().database("pgbouncer");
             let version = on_own_thread(move || async move {
                 let mut conn = console.connect().await?;
@@ -251,7 +279,34 @@ async fn server_budget(admin: &PgConnectOptions) -> u32 {
         .await
         .expect("read max_connections");
     conn.close().await.ok();
-    (room.free() - 5).max(10) as u32
+    // PgBouncer may open up to its cap of server connections besides.
+    let bouncer = pgbouncer_server_connections().unwrap_or(0);
+    (room.free() - 5 - bouncer).max(10) as u32
+}
+
+/// PgBouncer's admin console (its `pgbouncer` database), when this run goes through it.
+pub fn pgbouncer_console() -> Option<PgConnectOptions> {
+    Some(pgbouncer()?.clone().database("pgbouncer"))
+}
+
+/// The most server connections the PgBouncer of `CONFLUO_TEST_PGBOUNCER` opens
+/// (`max_user_connections`, as `.ci/pgbouncer` sets it), if one is used.
+fn pgbouncer_server_connections() -> Option<i64> {
+    let console = pgbouncer_console()?;
+    on_own_thread(move || async move {
+        use sqlx::Row;
+        let mut conn = console.connect().await.ok()?;
+        let rows = sqlx::raw_sql("SHOW CONFIG")
+            .fetch_all(&mut conn)
+            .await
+            .ok()?;
+        conn.close().await.ok();
+        rows.iter()
+            .find(|row| row.try_get::<String, _>(0).ok().as_deref() == Some("max_user_connections"))
+            .and_then(|row| row.try_get::<String, _>(1).ok()?.parse().ok())
+    })
+    .ok()
+    .flatten()
 }
 
 fn admin_options() -> PgConnectOptions {
