@@ -168,16 +168,21 @@ pub async fn kill_connections(
 /// replaced, and stopped at the end.
 pub struct Processes {
     children: Vec<Child>,
-    /// Given to each process as `DATABASE_URL`.
-    url: String,
+    /// Each process's environment on top of this one's (`DATABASE_URL`, ...): URLs with
+    /// passwords stay off command lines, which every local user sees in `ps`.
+    env: Vec<(&'static str, String)>,
     command: Vec<String>,
 }
 
 impl Processes {
-    pub fn spawn(count: usize, url: &str, command: Vec<String>) -> anyhow::Result<Processes> {
+    pub fn spawn(
+        count: usize,
+        env: Vec<(&'static str, String)>,
+        command: Vec<String>,
+    ) -> anyhow::Result<Processes> {
         let mut processes = Processes {
             children: Vec::new(),
-            url: url.to_owned(),
+            env,
             command,
         };
         for _ in 0..count {
@@ -190,7 +195,7 @@ impl Processes {
     fn start(&self) -> anyhow::Result<Child> {
         Ok(Command::new(std::env::current_exe()?)
             .args(&self.command)
-            .env("DATABASE_URL", &self.url)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .kill_on_drop(true)
             .spawn()?)
     }

@@ -86,11 +86,21 @@ pub fn member_output(input: &Value) -> Value {
 }
 
 impl Context {
+    /// Runs one of the harness's own writes, unnamed and in a transaction: the worker's
+    /// pool may go through PgBouncer in transaction mode (`--through-pgbouncer`).
+    async fn write(
+        &self,
+        statement: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::Result<()> {
+        let mut tx = self.pool.begin().await?;
+        statement.persistent(false).execute(&mut *tx).await?;
+        tx.commit().await
+    }
+
     /// Counts an injected fault in the harness's table.
     pub async fn record_fault(&self, kind: &str) {
-        let _ = sqlx::query("INSERT INTO confluo_stress.fault (kind) VALUES ($1)")
-            .bind(kind)
-            .execute(&self.pool)
+        let _ = self
+            .write(sqlx::query("INSERT INTO confluo_stress.fault (kind) VALUES ($1)").bind(kind))
             .await;
     }
 
@@ -104,14 +114,15 @@ impl Context {
         if task.stage_index > 0 && task.item_index == 0 {
             // The harness's own log of dispatches: a stage dispatched twice would show two
             // first members for one (execution, stage).
-            sqlx::query(
-                "INSERT INTO confluo_stress.started (execution_id, stage_index, task_id)
-                 VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            self.write(
+                sqlx::query(
+                    "INSERT INTO confluo_stress.started (execution_id, stage_index, task_id)
+                     VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+                )
+                .bind(task.execution_id)
+                .bind(task.stage_index as i32)
+                .bind(task.task_id),
             )
-            .bind(task.execution_id)
-            .bind(task.stage_index as i32)
-            .bind(task.task_id)
-            .execute(&self.pool)
             .await
             .map_err(TaskError::retryable)?;
         }
@@ -130,16 +141,18 @@ impl Context {
                 let outputs = input["outputs"].as_array().cloned().unwrap_or_default();
                 let failed = input["failed"].as_array().map_or(0, |f| f.len());
                 let sum: i64 = outputs.iter().filter_map(Value::as_i64).sum();
-                sqlx::query(
-                    "INSERT INTO confluo_stress.seen (execution_id, handler, outputs, total, failed)
-                     VALUES ($1, $2, $3, $4, $5)",
+                self.write(
+                    sqlx::query(
+                        "INSERT INTO confluo_stress.seen
+                                (execution_id, handler, outputs, total, failed)
+                         VALUES ($1, $2, $3, $4, $5)",
+                    )
+                    .bind(task.execution_id)
+                    .bind(task.handler)
+                    .bind(outputs.len() as i64)
+                    .bind(sum)
+                    .bind(failed as i64),
                 )
-                .bind(task.execution_id)
-                .bind(task.handler)
-                .bind(outputs.len() as i64)
-                .bind(sum)
-                .bind(failed as i64)
-                .execute(&self.pool)
                 .await
                 .map_err(TaskError::retryable)?;
                 Ok(json!({"outputs": outputs.len(), "total": sum}))

@@ -86,7 +86,16 @@ pub struct Args {
     /// only, and polls every 500 ms.
     #[arg(long)]
     no_listen: bool,
+    /// The workers' pools go through this PgBouncer in transaction mode (its URL; the
+    /// run's database name replaces the URL's), as `ConnectBuilder::transaction_pooler`
+    /// says; their `LISTEN`, unless --no-listen, goes to the server directly. The harness
+    /// and its chaos clients connect directly.
+    #[arg(long, env = "CONFLUO_STRESS_PGBOUNCER", value_name = "URL")]
+    through_pgbouncer: Option<String>,
 }
+
+/// The environment variable that hands worker processes the PgBouncer URL.
+const PGBOUNCER_ENV: &str = "CONFLUO_STRESS_PGBOUNCER";
 
 /// A worker process of a stress run.
 #[derive(clap::Args)]
@@ -107,24 +116,76 @@ struct WorkerConfig {
     no_listen: bool,
 }
 
+/// Where a worker's pool connects: the run's database directly, or through PgBouncer.
+#[derive(Clone)]
+struct WorkerTarget {
+    direct: PgConnectOptions,
+    pgbouncer: Option<PgConnectOptions>,
+}
+
+impl WorkerTarget {
+    fn new(direct: &PgConnectOptions, pgbouncer: Option<&str>) -> anyhow::Result<Self> {
+        let pgbouncer = match pgbouncer {
+            None => None,
+            Some(url) => Some(
+                url.parse::<PgConnectOptions>()
+                    .map_err(|e| anyhow::anyhow!("--through-pgbouncer: {e}"))?
+                    .database(direct.get_database().unwrap_or("postgres")),
+            ),
+        };
+        Ok(WorkerTarget {
+            direct: direct.clone(),
+            pgbouncer,
+        })
+    }
+
+    /// A worker's pool and its engine, and the pool for the handlers' own writes (the same).
+    async fn engine(&self, connections: u32) -> anyhow::Result<(Engine, PgPool)> {
+        Ok(match &self.pgbouncer {
+            None => {
+                let pool = pool(&self.direct, connections, WORKER_APPLICATION).await?;
+                (Engine::new(pool.clone()), pool)
+            }
+            Some(bouncer) => {
+                // PgBouncer refuses the isolation startup option; every statement pins it.
+                let pool = PgPoolOptions::new()
+                    .max_connections(connections)
+                    .acquire_timeout(Duration::from_secs(60))
+                    .connect_with(bouncer.clone().application_name(WORKER_APPLICATION))
+                    .await?;
+                let engine = Engine::builder(pool.clone()).transaction_pooler().build();
+                (engine, pool)
+            }
+        })
+    }
+
+    /// How a worker hears of new tasks: not at all, on a connection like its pool's, or,
+    /// through PgBouncer, on a direct one.
+    fn notifications(&self, no_listen: bool) -> Notifications {
+        match (&self.pgbouncer, no_listen) {
+            (_, true) => Notifications::Off,
+            (None, false) => Notifications::Pool,
+            (Some(_), false) => Notifications::Direct(Box::new(confluo::read_committed(
+                self.direct.clone().application_name(WORKER_APPLICATION),
+            ))),
+        }
+    }
+}
+
 /// The stress runs' worker: 16 handlers, a short lease, the acknowledgement window asked
 /// for, listening for new tasks unless `no_listen`.
 fn worker_builder(
-    pool: PgPool,
+    engine: Engine,
+    notifications: Notifications,
     lease: Duration,
     ack_window_ms: Option<u64>,
-    no_listen: bool,
 ) -> WorkerBuilder {
-    let builder = Engine::new(pool)
+    let builder = engine
         .worker()
         .concurrency(16)
         .lease(lease)
         .poll_interval(Duration::from_millis(500))
-        .notifications(if no_listen {
-            Notifications::Off
-        } else {
-            Notifications::Pool
-        });
+        .notifications(notifications);
     match ack_window_ms {
         Some(ms) => builder.ack_window(Duration::from_millis(ms)),
         None => builder,
@@ -207,8 +268,9 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
         faults: args.faults.clone(),
         seed: args.seed,
     };
+    let target = WorkerTarget::new(&options, args.through_pgbouncer.as_deref())?;
     println!(
-        "stress: {} executions x width {}, strategy {}, {} on database {}",
+        "stress: {} executions x width {}, strategy {}, {} on database {}{}",
         args.executions,
         args.width,
         args.strategy,
@@ -217,7 +279,12 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
         } else {
             format!("{} worker tasks", args.workers)
         },
-        args.database
+        args.database,
+        if target.pgbouncer.is_some() {
+            ", workers through PgBouncer"
+        } else {
+            ""
+        }
     );
 
     // Workers.
@@ -236,19 +303,28 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
         })?;
         // The URL (password included) goes through the environment: a command line is
         // visible to every local user in `ps`.
+        let mut env = vec![("DATABASE_URL", url.to_owned())];
+        if let Some(bouncer) = &args.through_pgbouncer {
+            env.push((PGBOUNCER_ENV, bouncer.clone()));
+        }
         processes = Some(chaos::Processes::spawn(
             args.processes,
-            url,
+            env,
             vec!["stress-worker".into(), "--config".into(), config],
         )?);
     } else {
         for _ in 0..args.workers {
-            let worker_pool = pool(&options, args.worker_connections, WORKER_APPLICATION).await?;
+            let (worker_engine, worker_pool) = target.engine(args.worker_connections).await?;
             let worker_ctx = Context {
-                pool: worker_pool.clone(),
+                pool: worker_pool,
                 ..ctx.clone()
             };
-            let builder = worker_builder(worker_pool, lease, args.ack_window_ms, args.no_listen);
+            let builder = worker_builder(
+                worker_engine,
+                target.notifications(args.no_listen),
+                lease,
+                args.ack_window_ms,
+            );
             in_process.push(worker_ctx.install(builder).start().await?);
         }
     }
@@ -493,17 +569,19 @@ pub async fn worker_process(
     let config: WorkerConfig = serde_json::from_str(&args.config)?;
     handlers::silence_injected_panics();
     let options = options.database(&config.database);
-    let worker_pool = pool(&options, config.worker_connections, WORKER_APPLICATION).await?;
+    let bouncer = std::env::var(PGBOUNCER_ENV).ok();
+    let target = WorkerTarget::new(&options, bouncer.as_deref())?;
+    let (engine, worker_pool) = target.engine(config.worker_connections).await?;
     let ctx = Context {
-        pool: worker_pool.clone(),
+        pool: worker_pool,
         faults: config.faults,
         seed: config.seed,
     };
     let builder = worker_builder(
-        worker_pool,
+        engine,
+        target.notifications(config.no_listen),
         Duration::from_millis(config.lease_ms),
         config.ack_window_ms,
-        config.no_listen,
     );
     let worker = ctx.install(builder).start().await?;
     tokio::signal::ctrl_c().await?;
