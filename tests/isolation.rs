@@ -17,20 +17,8 @@ use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Barrier;
 
-async fn database_defaulting_to(level: &str) -> TestDb {
-    let db = TestDb::new(2).await;
-    sqlx::query(&format!(
-        "ALTER DATABASE {} SET default_transaction_isolation = '{level}'",
-        db.name
-    ))
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    db
-}
-
 async fn serializable_database() -> TestDb {
-    database_defaulting_to("serializable").await
+    TestDb::defaulting_to("serializable", 2).await
 }
 
 /// The row-lock fan-in is all transactions: the last two finishers each complete their
@@ -39,17 +27,8 @@ async fn serializable_database() -> TestDb {
 /// commit and neither fired (a stall); pinned, exactly one fires, every round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn row_lock_fan_in_fires_once_when_sessions_default_to_repeatable_read() {
-    let db = database_defaulting_to("repeatable read").await;
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(db.unpinned_options())
-        .await
-        .unwrap();
-    let level: String = sqlx::query_scalar("SHOW default_transaction_isolation")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(level, "repeatable read", "the sessions are not pinned");
+    let db = TestDb::defaulting_to("repeatable read", 2).await;
+    let pool = db.unpinned_pool(4, "repeatable read").await;
     let engine = common::engine(pool);
     engine
         .register(

@@ -14,7 +14,6 @@ use confluo::{
     Engine, Error, ExecutionStatus, MapResults, Notifications, Stage, TaskError, Workflow,
 };
 use serde_json::json;
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{ConnectOptions, Row};
 
 /// An engine in pooler mode on `db` with a pool of `size`: through PgBouncer when the run
@@ -126,24 +125,8 @@ async fn a_wide_map_runs_to_the_end_on_small_pools_and_no_statement_is_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn simultaneous_finishes_fire_once_on_a_database_that_defaults_to_serializable() {
     const K: usize = 8;
-    let db = TestDb::new(K as u32 + 2).await;
-    sqlx::query(&format!(
-        "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
-        db.name
-    ))
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(K as u32 + 1)
-        .connect_with(db.unpinned_options())
-        .await
-        .unwrap();
-    let level: String = sqlx::query_scalar("SHOW default_transaction_isolation")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(level, "serializable", "the sessions are not pinned");
+    let db = TestDb::defaulting_to("serializable", 2).await;
+    let pool = db.unpinned_pool(K as u32 + 1, "serializable").await;
     let engine = if TestDb::through_pgbouncer() {
         common::engine(pool)
     } else {

@@ -123,35 +123,41 @@ impl<'q> Query<'q> {
     }
 }
 
+/// The `fetch_*` of a statement returning rows as `O` (a row, or its single value).
+macro_rules! fetches {
+    () => {
+        /// Runs the statement; every row.
+        pub(crate) async fn fetch_all<'c, A>(self, executor: A) -> sqlx::Result<Vec<O>>
+        where
+            A: Executor<'c>,
+        {
+            run!(executor, |conn| self.0.fetch_all(conn))
+        }
+
+        /// Runs the statement; its one row (`RowNotFound` without).
+        pub(crate) async fn fetch_one<'c, A>(self, executor: A) -> sqlx::Result<O>
+        where
+            A: Executor<'c>,
+        {
+            run!(executor, |conn| self.0.fetch_one(conn))
+        }
+
+        /// Runs the statement; its first row, if any.
+        pub(crate) async fn fetch_optional<'c, A>(self, executor: A) -> sqlx::Result<Option<O>>
+        where
+            A: Executor<'c>,
+        {
+            run!(executor, |conn| self.0.fetch_optional(conn))
+        }
+    };
+}
+
 impl<'q, O> QueryAs<'q, O>
 where
     O: Send + Unpin + for<'r> FromRow<'r, PgRow>,
 {
     bind!();
-
-    /// Runs the statement; every row.
-    pub(crate) async fn fetch_all<'c, A>(self, executor: A) -> sqlx::Result<Vec<O>>
-    where
-        A: Executor<'c>,
-    {
-        run!(executor, |conn| self.0.fetch_all(conn))
-    }
-
-    /// Runs the statement; its one row (`RowNotFound` without).
-    pub(crate) async fn fetch_one<'c, A>(self, executor: A) -> sqlx::Result<O>
-    where
-        A: Executor<'c>,
-    {
-        run!(executor, |conn| self.0.fetch_one(conn))
-    }
-
-    /// Runs the statement; its first row, if any.
-    pub(crate) async fn fetch_optional<'c, A>(self, executor: A) -> sqlx::Result<Option<O>>
-    where
-        A: Executor<'c>,
-    {
-        run!(executor, |conn| self.0.fetch_optional(conn))
-    }
+    fetches!();
 }
 
 impl<'q, O> QueryScalar<'q, O>
@@ -160,30 +166,7 @@ where
     (O,): Send + Unpin + for<'r> FromRow<'r, PgRow>,
 {
     bind!();
-
-    /// Runs the statement; every row's value.
-    pub(crate) async fn fetch_all<'c, A>(self, executor: A) -> sqlx::Result<Vec<O>>
-    where
-        A: Executor<'c>,
-    {
-        run!(executor, |conn| self.0.fetch_all(conn))
-    }
-
-    /// Runs the statement; its one row's value (`RowNotFound` without).
-    pub(crate) async fn fetch_one<'c, A>(self, executor: A) -> sqlx::Result<O>
-    where
-        A: Executor<'c>,
-    {
-        run!(executor, |conn| self.0.fetch_one(conn))
-    }
-
-    /// Runs the statement; its first row's value, if any.
-    pub(crate) async fn fetch_optional<'c, A>(self, executor: A) -> sqlx::Result<Option<O>>
-    where
-        A: Executor<'c>,
-    {
-        run!(executor, |conn| self.0.fetch_optional(conn))
-    }
+    fetches!();
 }
 
 /// What the statements of `store` run on: a pool (a connection is taken from it for the

@@ -153,6 +153,36 @@ impl TestDb {
         pgbouncer().is_some()
     }
 
+    /// A fresh database (as [`new`](Self::new)) whose sessions default to `level` (e.g.
+    /// `serializable`), set with `ALTER DATABASE`.
+    pub async fn defaulting_to(level: &str, max_connections: u32) -> TestDb {
+        let db = TestDb::new(max_connections).await;
+        sqlx::query(&format!(
+            "ALTER DATABASE {} SET default_transaction_isolation = '{level}'",
+            db.name
+        ))
+        .execute(&db.pool)
+        .await
+        .expect("set the database's default isolation");
+        db
+    }
+
+    /// A pool of `size` on this database that pins no isolation level, checked to have
+    /// sessions at `level` (see [`defaulting_to`](Self::defaulting_to)).
+    pub async fn unpinned_pool(&self, size: u32, level: &str) -> PgPool {
+        let pool = PgPoolOptions::new()
+            .max_connections(size)
+            .connect_with(self.unpinned_options())
+            .await
+            .expect("connect to the test database");
+        let found: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+            .fetch_one(&pool)
+            .await
+            .expect("read the default isolation");
+        assert_eq!(found, level, "the sessions are not pinned");
+        pool
+    }
+
     /// The database's connect options, never pinned to an isolation level.
     pub fn unpinned_options(&self) -> PgConnectOptions {
         self.admin.clone().database(&self.name)
