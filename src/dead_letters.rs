@@ -21,6 +21,7 @@ use crate::execution::{AttemptError, ExecutionStatus};
 use crate::ids::{ExecutionId, TaskId};
 use crate::store::dead_letters::{self, DeadLetterRow};
 use crate::store::executions;
+use crate::store::history;
 
 /// Which dead letters [`Engine::dead_letters`] returns.
 ///
@@ -280,6 +281,11 @@ impl Engine {
             .ok_or(Error::TaskNotFound(task))?;
         if ExecutionStatus::parse(&status) != seen {
             return Ok(None);
+        }
+        // An archived execution's tasks come back to the task table first (tasks after the
+        // execution, in the lock order); a rollback below leaves them archived.
+        if resume {
+            history::restore(&mut tx, execution).await?;
         }
         let requeued = dead_letters::requeue(&mut tx, task, execution, resume).await?;
         let Some(own) = requeued.iter().find(|r| r.id == task) else {

@@ -54,6 +54,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod activity;
+mod archive;
 mod batch;
 mod callback;
 mod claimed;
@@ -84,6 +85,7 @@ pub mod webhooks;
 mod worker;
 
 pub use activity::{Activity, HandOver, MinuteActivity, TaskCounts};
+pub use archive::Archived;
 pub use callback::MAX_CALLBACK_LEN;
 pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
@@ -108,7 +110,7 @@ pub use outputs::{BlockMember, BlockOutputs, DEFAULT_INLINE_BLOCK_INPUT, MAX_MAP
 pub use queue::Outcome;
 pub use registry::{WorkerInfo, WorkerState, WORKER_RETENTION};
 pub use start::{StartOptions, Started};
-pub use worker::{Notifications, Worker, WorkerBuilder};
+pub use worker::{Notifications, Worker, WorkerBuilder, DEFAULT_ARCHIVE_AFTER};
 
 /// The README's examples, compiled as doctests so that they cannot drift from the API.
 #[doc = include_str!("../README.md")]

@@ -150,7 +150,7 @@ pub async fn run(admin: PgConnectOptions, args: Args, throwaway: bool) -> anyhow
     // report step was dispatched exactly once.
     let (groups, fired, reports): (i64, i64, i64) = sqlx::query_as(
         "SELECT count(*), count(fired_at),
-                (SELECT count(*) FROM confluo.task WHERE execution_id = $1 AND stage_index = 2)
+                (SELECT count(*) FROM confluo.task_all WHERE execution_id = $1 AND stage_index = 2)
            FROM confluo.stage_group WHERE execution_id = $1",
     )
     .bind(id)

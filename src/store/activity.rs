@@ -17,7 +17,7 @@ pub(crate) async fn tasks_by_status_and_minute(
                 CASE WHEN finished_at >= now() - make_interval(secs => $1)
                      THEN date_trunc('minute', finished_at) END AS minute,
                 count(*)
-           FROM confluo.task
+           FROM confluo.task_all
           GROUP BY 1, 2",
     )
     .bind(window_secs)
@@ -39,7 +39,7 @@ pub(crate) async fn hand_over_seconds(
                 percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds),
                 max(seconds)
            FROM (SELECT extract(epoch FROM
-                          (SELECT min(t.started_at) FROM confluo.task t WHERE t.group_id = n.id)
+                          (SELECT min(t.started_at) FROM confluo.task_all t WHERE t.group_id = n.id)
                           - g.fired_at)::float8 AS seconds
                    FROM confluo.stage_group g
                    JOIN confluo.stage_group n

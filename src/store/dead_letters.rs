@@ -42,7 +42,7 @@ pub(crate) async fn list(
 ) -> Result<Vec<DeadLetterRow>> {
     Ok(super::query_as(&format!(
         "SELECT {COLUMNS}
-           FROM confluo.task t
+           FROM confluo.task_all t
            JOIN confluo.execution e ON e.id = t.execution_id
            JOIN confluo.stage_group g ON g.id = t.group_id
           WHERE t.status = 'dead'
@@ -75,7 +75,7 @@ pub(crate) async fn get(
 ) -> Result<Option<DeadLetterDetailRow>> {
     Ok(super::query_as(&format!(
         "SELECT {COLUMNS}, t.status, t.input, t.errors
-           FROM confluo.task t
+           FROM confluo.task_all t
            JOIN confluo.execution e ON e.id = t.execution_id
            JOIN confluo.stage_group g ON g.id = t.group_id
           WHERE t.id = $1"

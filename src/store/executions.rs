@@ -354,7 +354,7 @@ where
                 count(*) FILTER (WHERE t.status = 'dead')      AS dead,
                 count(*) FILTER (WHERE t.status = 'cancelled') AS cancelled
            FROM confluo.stage_group g
-           LEFT JOIN confluo.task t ON t.group_id = g.id
+           LEFT JOIN confluo.task_all t ON t.group_id = g.id
           WHERE g.execution_id = $1
           GROUP BY g.id
           ORDER BY g.stage_index",
@@ -384,7 +384,7 @@ where
     E: super::Executor<'e>,
 {
     Ok(super::query_as(
-        "SELECT id, stage_index, handler, item_index, attempt, errors FROM confluo.task
+        "SELECT id, stage_index, handler, item_index, attempt, errors FROM confluo.task_all
           WHERE execution_id = $1 AND status = 'dead'
           ORDER BY stage_index, item_index LIMIT $2",
     )

@@ -221,20 +221,20 @@ pub(crate) fn output_expression() -> String {
     format!(
         "CASE g.kind
             WHEN 'step' THEN (
-                SELECT COALESCE(t.output, 'null'::jsonb)::json FROM confluo.task t
+                SELECT COALESCE(t.output, 'null'::jsonb)::json FROM confluo.task_all t
                  WHERE t.group_id = g.id LIMIT 1)
             WHEN 'parallel' THEN (
                 SELECT json_build_object(
                     'outputs', COALESCE(json_object_agg(t.handler, t.output)
                                         FILTER (WHERE t.status = 'completed'), '{{}}'::json),
                     'failed', {})
-                  FROM confluo.task t WHERE t.group_id = g.id)
+                  FROM confluo.task_all t WHERE t.group_id = g.id)
             ELSE (
                 SELECT json_build_object(
                     'outputs', COALESCE(json_agg(t.output ORDER BY t.item_index)
                                         FILTER (WHERE t.status = 'completed'), '[]'::json),
                     'failed', {})
-                  FROM confluo.task t WHERE t.group_id = g.id)
+                  FROM confluo.task_all t WHERE t.group_id = g.id)
             END",
         failed("t.handler"),
         failed("NULL")

@@ -46,7 +46,7 @@ pub(crate) async fn urgent_first(
     limit: i64,
 ) -> Result<Vec<MemberListRow>> {
     Ok(super::query_as(&format!(
-        "SELECT {COLUMNS} FROM confluo.task
+        "SELECT {COLUMNS} FROM confluo.task_all
           WHERE execution_id = $1 AND stage_index = $2
           ORDER BY status = 'completed', item_index
           LIMIT $3"
@@ -71,7 +71,7 @@ pub(crate) async fn page(
     limit: i64,
 ) -> Result<Vec<MemberListRow>> {
     Ok(super::query_as(&format!(
-        "SELECT {COLUMNS} FROM confluo.task
+        "SELECT {COLUMNS} FROM confluo.task_all
           WHERE group_id = (SELECT id FROM confluo.stage_group
                              WHERE execution_id = $1 AND stage_index = $2)
             AND item_index > $3
@@ -95,7 +95,7 @@ pub(crate) async fn detail(
 ) -> Result<Option<MemberDetailRow>> {
     Ok(super::query_as(&format!(
         "SELECT {COLUMNS}, execution_id, stage_index, input, output, errors
-           FROM confluo.task WHERE id = $1"
+           FROM confluo.task_all WHERE id = $1"
     ))
     .bind(task)
     .fetch_optional(conn)

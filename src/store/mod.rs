@@ -27,6 +27,7 @@ pub(crate) mod dead_letters;
 pub(crate) mod executions;
 pub(crate) mod fan_in;
 pub(crate) mod groups;
+pub(crate) mod history;
 pub(crate) mod locks;
 pub(crate) mod members;
 pub(crate) mod notifications;

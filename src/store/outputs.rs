@@ -36,7 +36,7 @@ pub(crate) async fn stage_output_within(
              WHERE execution_id = $1 AND stage_index = $2
          ), size AS (
             SELECT COALESCE(sum(pg_column_size(t.output)), 0)::int8 AS stored
-              FROM g JOIN confluo.task t ON t.group_id = g.id
+              FROM g JOIN confluo.task_all t ON t.group_id = g.id
              WHERE g.kind <> 'step'
          )
          SELECT size.stored,
@@ -82,7 +82,7 @@ pub(crate) async fn page(
     Ok(super::query_as(
         "SELECT t.item_index, t.handler, t.status, t.attempt, t.output,
                 t.errors -> -1 ->> 'error' AS error
-           FROM confluo.stage_group g JOIN confluo.task t ON t.group_id = g.id
+           FROM confluo.stage_group g JOIN confluo.task_all t ON t.group_id = g.id
           WHERE g.execution_id = $1 AND g.stage_index = $2 AND t.item_index > $3
           ORDER BY t.item_index
           LIMIT $4",

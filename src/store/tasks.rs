@@ -309,13 +309,14 @@ pub(crate) async fn release_many(
 }
 
 /// Status and latest lease token of a task, to explain why a guarded transition matched
-/// nothing.
+/// nothing (read wherever it is, so that a replay after its execution was archived is
+/// still told from a stale attempt).
 pub(crate) async fn status_and_token(
     conn: &mut PgConnection,
     id: TaskId,
 ) -> Result<Option<(String, Option<LeaseToken>)>> {
     Ok(
-        super::query_as("SELECT status, lease_token FROM confluo.task WHERE id = $1")
+        super::query_as("SELECT status, lease_token FROM confluo.task_all WHERE id = $1")
             .bind(id)
             .fetch_optional(conn)
             .await?,

@@ -165,8 +165,8 @@ async fn heartbeat(state: &State) {
 }
 
 /// Sends the registry heartbeat, reclaims expired leases, times out executions past their
-/// deadline and samples the queue depth, every half lease (at most 5 s apart), until
-/// aborted.
+/// deadline, archives ended executions' tasks and samples the queue depth, every half
+/// lease (at most 5 s apart), until aborted.
 pub(super) async fn housekeeping(state: Arc<State>) {
     let every = housekeeping_interval(&state.settings);
     loop {
@@ -176,6 +176,12 @@ pub(super) async fn housekeeping(state: Arc<State>) {
         }
         if let Err(error) = state.engine.time_out_expired(100).await {
             tracing::warn!(%error, "timing out executions past their deadline failed");
+        }
+        if let Some(after) = state.settings.archive_after {
+            state
+                .engine
+                .archive_round(after, Duration::from_millis(250))
+                .await;
         }
         match state.engine.queue_depth().await {
             Ok(depth) => crate::metrics::queue_depth(&depth),

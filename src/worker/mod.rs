@@ -78,6 +78,8 @@ struct Settings {
     /// `None`: [`Notifications::Pool`], or [`Notifications::Off`] behind a transaction
     /// pooler.
     notifications: Option<Notifications>,
+    /// `None`: this worker archives nothing.
+    archive_after: Option<Duration>,
 }
 
 /// How a worker hears that tasks became claimable, between its polls
@@ -102,6 +104,11 @@ pub enum Notifications {
     /// letter) waits for the next poll.
     Off,
 }
+
+/// Default [`WorkerBuilder::archive_after`]: how long after its execution ended a worker
+/// moves a task to the history. Long enough that inspecting a run that just ended reads
+/// the hot table, short enough that the hot table holds about a minute of ended work.
+pub const DEFAULT_ARCHIVE_AFTER: Duration = Duration::from_secs(60);
 
 /// Default [`WorkerBuilder::local_queue`]: claimed tasks waiting ahead of the handlers.
 /// Chosen by measurement (20 000 no-op tasks, 8 handlers, pool of 12, 3 alternating
@@ -156,6 +163,7 @@ impl WorkerBuilder {
                 partial: false,
                 inline_block_input: crate::outputs::DEFAULT_INLINE_BLOCK_INPUT,
                 notifications: None,
+                archive_after: Some(DEFAULT_ARCHIVE_AFTER),
             },
         }
     }
@@ -268,6 +276,19 @@ impl WorkerBuilder {
     /// ([`Notifications::Direct`]) to be woken at once. See the README's PgBouncer section.
     pub fn notifications(mut self, notifications: Notifications) -> Self {
         self.settings.notifications = Some(notifications);
+        self
+    }
+
+    /// How long after an execution ended this worker's housekeeping moves its tasks out of
+    /// the task table that claims read into the task history (default
+    /// [`DEFAULT_ARCHIVE_AFTER`](crate::DEFAULT_ARCHIVE_AFTER), a minute); `None` leaves
+    /// that to other workers or to [`Engine::archive`](crate::Engine::archive). Reads do
+    /// not change (they read both tables); the task table stays the size of the work in
+    /// flight, so that its vacuums stay quick and its dead rows few. Each housekeeping
+    /// round archives for at most a quarter of a second, 50 executions per statement;
+    /// workers skip the executions another one is archiving.
+    pub fn archive_after(mut self, after: Option<Duration>) -> Self {
+        self.settings.archive_after = after;
         self
     }
 

@@ -32,7 +32,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
         "no task lost (none pending or running)",
         rows(
             pool,
-            "SELECT id || ' is ' || status || ' in stage ' || stage_index FROM confluo.task
+            "SELECT id || ' is ' || status || ' in stage ' || stage_index FROM confluo.task_all
               WHERE status IN ('pending', 'running') LIMIT 5",
         )
         .await?,
@@ -43,7 +43,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
             pool,
             &format!(
                 "SELECT g.execution_id || ': ' || count(t.id) || ' members'
-                   FROM confluo.stage_group g LEFT JOIN confluo.task t ON t.group_id = g.id
+                   FROM confluo.stage_group g LEFT JOIN confluo.task_all t ON t.group_id = g.id
                   WHERE g.stage_index = 1
                   GROUP BY g.id HAVING count(t.id) <> {width} LIMIT 5"
             ),
@@ -69,7 +69,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
             "SELECT g.id || ' (stage ' || g.stage_index || ')' FROM confluo.stage_group g
                JOIN confluo.execution e ON e.id = g.execution_id
               WHERE e.status IN ('running', 'completed') AND g.fired_at IS NULL
-                AND NOT EXISTS (SELECT 1 FROM confluo.task t WHERE t.group_id = g.id
+                AND NOT EXISTS (SELECT 1 FROM confluo.task_all t WHERE t.group_id = g.id
                                    AND t.status IN ('pending', 'running'))
               LIMIT 5",
         )
@@ -92,12 +92,12 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
             "SELECT g.id || ': counter ' || g.remaining || ', open ' || o.open
                FROM confluo.stage_group g
                JOIN LATERAL (SELECT count(*) FILTER (WHERE t.status IN ('pending', 'running')) AS open
-                               FROM confluo.task t WHERE t.group_id = g.id) o ON true
+                               FROM confluo.task_all t WHERE t.group_id = g.id) o ON true
               WHERE g.fan_in = 'countdown' AND g.remaining <> o.open
              UNION ALL
              SELECT s.group_id || ' stripe ' || s.stripe || ': counter ' || s.remaining
                FROM confluo.group_stripe s JOIN confluo.stage_group g ON g.id = s.group_id
-              WHERE s.remaining <> (SELECT count(*) FROM confluo.task t
+              WHERE s.remaining <> (SELECT count(*) FROM confluo.task_all t
                                      WHERE t.group_id = s.group_id
                                        AND t.status IN ('pending', 'running')
                                        AND (t.item_index / g.stripe_run) % g.stripes = s.stripe)
@@ -123,7 +123,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                     SELECT count(*) FILTER (WHERE t.status = 'completed') AS completed,
                            COALESCE(sum((t.output)::bigint) FILTER (WHERE t.status = 'completed'), 0) AS total,
                            count(*) FILTER (WHERE t.status <> 'completed') AS failed
-                      FROM confluo.task t WHERE t.execution_id = s.execution_id AND t.stage_index = 1
+                      FROM confluo.task_all t WHERE t.execution_id = s.execution_id AND t.stage_index = 1
                ) m ON true
               WHERE s.outputs <> m.completed OR s.total <> m.total OR s.failed <> m.failed
               LIMIT 5",

@@ -411,7 +411,7 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
     loop {
         let (terminal, open, connections): (i64, i64, i64) = sqlx::query_as(
             "SELECT (SELECT count(*) FROM confluo.execution WHERE status <> 'running'),
-                    (SELECT count(*) FROM confluo.task WHERE status IN ('pending', 'running')),
+                    (SELECT count(*) FROM confluo.task_all WHERE status IN ('pending', 'running')),
                     (SELECT count(*) FROM pg_stat_activity
                       WHERE backend_type = 'client backend' AND datname = current_database())",
         )
@@ -510,9 +510,9 @@ async fn summary(
     .await?;
     let (deadlines, tasks, retries, dead, fired): (i64, i64, i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM confluo.execution WHERE deadline_at IS NOT NULL),
-                (SELECT count(*) FROM confluo.task),
-                (SELECT COALESCE(sum(greatest(attempt - 1, 0)), 0)::bigint FROM confluo.task),
-                (SELECT count(*) FROM confluo.task WHERE status = 'dead'),
+                (SELECT count(*) FROM confluo.task_all),
+                (SELECT COALESCE(sum(greatest(attempt - 1, 0)), 0)::bigint FROM confluo.task_all),
+                (SELECT count(*) FROM confluo.task_all WHERE status = 'dead'),
                 (SELECT count(*) FROM confluo.stage_group WHERE fired_at IS NOT NULL)",
     )
     .fetch_one(pool)
