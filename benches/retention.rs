@@ -1,28 +1,35 @@
-//! Claims with many finished tasks present: does the task table's history slow the hot
-//! path? (Issue 15: "claims stay flat with 10 million finished task rows".)
+//! Claims while millions of finished tasks pile up: does the history slow the hot path?
+//! (Issue 15: "claims stay flat with 10 million finished task rows".)
 //!
 //! ```sh
-//! cargo bench --bench retention                       # 10 million finished rows, ~20 min
-//! cargo bench --bench retention -- --finished 1000000 # about 2 minutes
-//! cargo bench --bench retention -- --finished 1000000 --settle 90
+//! cargo bench --bench retention                        # 10 million finished tasks, ~40 min
+//! cargo bench --bench retention -- --finished 1000000  # a few minutes
+//! cargo bench --bench retention -- --finished 1000000 --design archived
 //! ```
 //!
-//! States of one database, measured one after the other in one run:
-//! 1. **empty**: no finished task (after a first round that warms caches up, not shown);
-//! 2. **finished, not vacuumed by hand**: `--finished` tasks inserted pending and then
-//!    completed by bulk `UPDATE`s, with autovacuum at the server's settings meanwhile, as
-//!    a busy installation's history looks (each completion leaves a dead version, and dead
-//!    entries in the indexes of pending tasks that claims walk, until a vacuum reaches
-//!    them); the table's live and dead row versions are printed;
-//! 3. with `--settle S`: **S seconds later**, after what autovacuum did meanwhile (if the
-//!    server runs it: the bench prints the setting);
-//! 4. **finished, vacuumed**: the same after `VACUUM (ANALYZE)`.
+//! Two designs, each in a database of its own, one after the other in one run:
+//! - **kept**: finished tasks stay in the task table (workers told not to archive:
+//!   `archive_after(None)`, what every version before migration 0012 did);
+//! - **archived**: after each chunk, [`Engine::archive`] moves the ended executions' tasks
+//!   into the history (what workers' housekeeping does a minute after they end).
 //!
-//! In each: 20 000 pending tasks of one map; the p50 and p90 of `Engine::claim` of 512 over
-//! them (the claim statement alone, nothing run or acknowledged), then, on a fresh map of
-//! 20 000, how fast one worker of 8 no-op handlers drains it (its claims by handler,
-//! batched acknowledgements, the fan-in). Ratios to the empty table are what to read:
-//! the machine's noise is larger than any absolute number here.
+//! Each design writes `--finished` tasks in chunks of `--chunk` (executions of 1 000
+//! members: inserted pending, completed by one `UPDATE`, as claims and completions leave
+//! them: a dead version per task, dead entries in the indexes of pending tasks), and after
+//! each chunk vacuums the task table **where autovacuum's default trigger would**: once
+//! the dead versions written since its last vacuum exceed 50 + 20 % of its rows (the
+//! server's `autovacuum_vacuum_threshold` and `_scale_factor`; the bench counts the
+//! versions its fill and moves leave dead, not those of its probes, and ignores
+//! `autovacuum_naptime`). The machines
+//! these benches run on turn autovacuum off; this stands in for it, the same way for both
+//! designs. After each chunk, a probe: the p50 of claims of 512 over three fresh maps of
+//! 5 120.
+//!
+//! Reported per design: the probe's p50 over the fill as a ratio to the empty table's
+//! (at the end, and the worst), the vacuums the trigger asked for and their time, then, at
+//! the end, the full measurement: claims of 512 over 20 000 pending tasks (p50, p90), and
+//! how fast one worker of 8 no-op handlers drains a 20 000 map. Ratios to the empty table
+//! are what to read: the machine's noise is larger than any absolute number here.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,129 +40,232 @@ use anyhow::Context;
 use confluo::{Engine, TaskError, Workflow};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-const DATABASE: &str = "confluo_bench_retention";
 const PENDING: usize = 20_000;
+const PROBE: usize = 5_120;
 const CLAIM: usize = 512;
 /// Finished tasks per execution in the generated history.
 const HISTORY_WIDTH: i64 = 1_000;
+/// Autovacuum's default trigger: vacuum once dead versions exceed this plus
+/// `SCALE_FACTOR` of the table's rows.
+const THRESHOLD: f64 = 50.0;
+const SCALE_FACTOR: f64 = 0.2;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Design {
+    Kept,
+    Archived,
+}
+
+impl Design {
+    fn name(self) -> &'static str {
+        match self {
+            Design::Kept => "kept",
+            Design::Archived => "archived",
+        }
+    }
+}
 
 /// What the bench was asked for.
 struct Args {
     finished: i64,
-    /// Seconds to leave autovacuum after the history is written, before a third state.
-    settle: u64,
+    chunk: i64,
+    designs: Vec<Design>,
 }
 
 fn main() -> anyhow::Result<()> {
-    let mut finished: i64 = 10_000_000;
-    let mut settle = 0;
+    let mut args = Args {
+        finished: 10_000_000,
+        chunk: 250_000,
+        designs: vec![Design::Kept, Design::Archived],
+    };
     let mut it = std::env::args().skip(1);
+    let number = |flag: &str, value: Option<String>| -> anyhow::Result<i64> {
+        let n: i64 = value
+            .with_context(|| format!("{flag} needs a number"))?
+            .parse()
+            .with_context(|| flag.to_owned())?;
+        anyhow::ensure!(n > 0, "{flag} must be positive");
+        Ok(n)
+    };
     while let Some(arg) = it.next() {
         match arg.as_str() {
-            "--finished" => {
-                finished = it
-                    .next()
-                    .context("--finished needs a number")?
-                    .parse()
-                    .context("--finished")?
-            }
-            "--settle" => {
-                settle = it
-                    .next()
-                    .context("--settle needs a number of seconds")?
-                    .parse()
-                    .context("--settle")?
+            "--finished" => args.finished = number("--finished", it.next())?,
+            "--chunk" => args.chunk = number("--chunk", it.next())?,
+            "--design" => {
+                args.designs = match it.next().as_deref() {
+                    Some("kept") => vec![Design::Kept],
+                    Some("archived") => vec![Design::Archived],
+                    Some("both") => vec![Design::Kept, Design::Archived],
+                    other => anyhow::bail!("--design kept|archived|both, not {other:?}"),
+                }
             }
             "--bench" => {}
-            other => {
-                anyhow::bail!("unknown argument {other:?}; use --finished N, --settle SECONDS")
-            }
+            other => anyhow::bail!(
+                "unknown argument {other:?}; use --finished N, --chunk N, --design kept|archived|both"
+            ),
         }
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run(Args { finished, settle }))
+        .block_on(run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let finished = args.finished;
     let configured = match std::env::var("DATABASE_URL") {
         Ok(url) => Some(PgConnectOptions::from_str(&url).context("DATABASE_URL")?),
         Err(_) => None,
     };
     let server = confluo_testkit::Server::pick(configured.as_ref()).await?;
-    let options = confluo_testkit::fresh_database(&server.admin(), DATABASE).await?;
-    let pool = PgPoolOptions::new()
-        .max_connections(12)
-        .test_before_acquire(false)
-        .connect_with(confluo::read_committed(options))
-        .await?;
-    let engine = Engine::new(pool);
-    engine.migrate().await?;
-    engine.register(&Workflow::new("map", 1).map("job")).await?;
     println!(
-        "confluo {}: claims and drains with finished tasks present",
-        env!("CARGO_PKG_VERSION")
+        "confluo {}: claims while {} finished tasks pile up, in chunks of {}",
+        env!("CARGO_PKG_VERSION"),
+        args.finished,
+        args.chunk
     );
-    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
-        .fetch_one(engine.pool())
-        .await?;
-    println!("autovacuum = {autovacuum} on this server");
-
-    // A first round warms the caches and the pool up; it is not reported.
-    measure(&engine).await?;
-    let mut rows = Vec::new();
-    rows.push(("empty".to_owned(), measure(&engine).await?));
-    let filling = Instant::now();
-    fill_history(&engine, finished).await?;
-    eprintln!(
-        "{finished} finished tasks written in {:.0} s",
-        filling.elapsed().as_secs_f64()
-    );
-    rows.push((
-        format!("{finished} finished, not vacuumed by hand"),
-        measure(&engine).await?,
-    ));
-    if args.settle > 0 {
-        tokio::time::sleep(Duration::from_secs(args.settle)).await;
-        rows.push((
-            format!("{finished} finished, {} s of autovacuum later", args.settle),
-            measure(&engine).await?,
-        ));
+    let mut reports = Vec::new();
+    for &design in &args.designs {
+        let database = format!("confluo_bench_retention_{}", design.name());
+        let options = confluo_testkit::fresh_database(&server.admin(), &database).await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(12)
+            .test_before_acquire(false)
+            .connect_with(confluo::read_committed(options))
+            .await?;
+        let engine = Engine::new(pool);
+        engine.migrate().await?;
+        engine.register(&Workflow::new("map", 1).map("job")).await?;
+        if reports.is_empty() {
+            let (autovacuum, version): (String, String) = sqlx::query_as(
+                "SELECT current_setting('autovacuum'), current_setting('server_version')",
+            )
+            .fetch_one(engine.pool())
+            .await?;
+            println!("PostgreSQL {version}, autovacuum = {autovacuum} (the bench vacuums at its default trigger)");
+        }
+        reports.push(fill_and_measure(&engine, design, &args).await?);
+        engine.pool().close().await;
     }
-    let vacuuming = Instant::now();
-    sqlx::query("VACUUM (ANALYZE) confluo.task")
-        .execute(engine.pool())
-        .await?;
-    eprintln!("vacuumed in {:.0} s", vacuuming.elapsed().as_secs_f64());
-    rows.push((
-        format!("{finished} finished, vacuumed"),
-        measure(&engine).await?,
-    ));
 
-    let base = rows[0].1;
-    println!("\n| task table | live / dead row versions | claim of {CLAIM}, p50 ms | p90 ms | ratio (p50) | drain of {PENDING}, tasks/s | ratio |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    for (name, m) in &rows {
+    println!("\n| design | claim of {CLAIM} over {PROBE}, p50 ratio at the end | worst over the fill | vacuums (s) | archiving (s) | claim of {CLAIM} over {PENDING}, p50 ratio | p90 ratio | drain of {PENDING}, ratio |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &reports {
         println!(
-            "| {name} | {} / {} | {:.2} | {:.2} | {:.2}x | {:.0} | {:.2}x |",
-            m.live,
-            m.dead,
-            m.claim_p50,
-            m.claim_p90,
-            m.claim_p50 / base.claim_p50,
-            m.drain,
-            m.drain / base.drain
+            "| {} | {:.2}x | {:.2}x at {} | {} ({:.0}) | {:.0} | {:.2}x | {:.2}x | {:.2}x |",
+            r.design.name(),
+            r.probes.last().map_or(f64::NAN, |p| p.1),
+            r.worst.1,
+            r.worst.0,
+            r.vacuums,
+            r.vacuum_secs,
+            r.archive_secs,
+            r.end.claim_p50 / r.empty.claim_p50,
+            r.end.claim_p90 / r.empty.claim_p90,
+            r.end.drain / r.empty.drain,
         );
     }
-    engine.pool().close().await;
+    for r in &reports {
+        println!(
+            "\n{} (empty: claim p50 {:.2} ms, p90 {:.2} ms, drain {:.0} tasks/s; at the end: {:.2} / {:.2} ms, {:.0} tasks/s; task table at the end: {} live / {} dead versions by the stats)",
+            r.design.name(),
+            r.empty.claim_p50,
+            r.empty.claim_p90,
+            r.empty.drain,
+            r.end.claim_p50,
+            r.end.claim_p90,
+            r.end.drain,
+            r.end.live,
+            r.end.dead,
+        );
+        let curve: Vec<String> = r
+            .probes
+            .iter()
+            .map(|(n, ratio)| format!("{n}: {ratio:.2}x"))
+            .collect();
+        println!("probe p50 ratio by finished tasks: {}", curve.join(", "));
+    }
     Ok(())
+}
+
+struct Report {
+    design: Design,
+    empty: Measured,
+    end: Measured,
+    /// (finished tasks so far, probe p50 / empty probe p50), after each chunk.
+    probes: Vec<(i64, f64)>,
+    worst: (i64, f64),
+    vacuums: usize,
+    vacuum_secs: f64,
+    archive_secs: f64,
+}
+
+async fn fill_and_measure(engine: &Engine, design: Design, args: &Args) -> anyhow::Result<Report> {
+    // A first round warms the caches and the pool up; it is not reported.
+    measure(engine).await?;
+    let empty = measure(engine).await?;
+    let empty_probe = probe(engine).await?;
+    let (mut vacuums, mut vacuum_secs, mut archive_secs) = (0, 0.0, 0.0);
+    let mut probes = Vec::new();
+    // The versions left dead in the task table since its last vacuum.
+    let mut dead = 0.0_f64;
+    let mut done = 0;
+    let started = Instant::now();
+    while done < args.finished {
+        let n = args.chunk.min(args.finished - done);
+        fill_history(engine, n).await?;
+        done += n;
+        // Each task leaves its pending version dead.
+        dead += n as f64;
+        // The task table's rows (as autovacuum's own analyses keep it informed).
+        let mut live = done as f64;
+        if design == Design::Archived {
+            let archiving = Instant::now();
+            let moved = engine.archive(Duration::ZERO, 1_000).await?;
+            archive_secs += archiving.elapsed().as_secs_f64();
+            // And its completed version, once moved out.
+            dead += moved.tasks as f64;
+            live = 0.0;
+        }
+        if dead > THRESHOLD + SCALE_FACTOR * live {
+            let vacuuming = Instant::now();
+            sqlx::query("VACUUM (ANALYZE) confluo.task")
+                .execute(engine.pool())
+                .await?;
+            vacuum_secs += vacuuming.elapsed().as_secs_f64();
+            vacuums += 1;
+            dead = 0.0;
+        }
+        let p50 = probe(engine).await?;
+        probes.push((done, p50 / empty_probe));
+        eprintln!(
+            "{}: {done} finished after {:.0} s, probe p50 {p50:.2} ms ({:.2}x), {vacuums} vacuums",
+            design.name(),
+            started.elapsed().as_secs_f64(),
+            p50 / empty_probe
+        );
+    }
+    let end = measure(engine).await?;
+    let worst = probes
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap_or((0, f64::NAN));
+    Ok(Report {
+        design,
+        empty,
+        end,
+        probes,
+        worst,
+        vacuums,
+        vacuum_secs,
+        archive_secs,
+    })
 }
 
 #[derive(Clone, Copy)]
 struct Measured {
-    /// Dead and live row versions of the task table when the measurement began.
+    /// Dead and live row versions of the task table when the measurement began, as the
+    /// statistics collector last heard.
     dead: i64,
     live: i64,
     claim_p50: f64,
@@ -163,19 +273,11 @@ struct Measured {
     drain: f64,
 }
 
-async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
-    let (dead, live): (i64, i64) = sqlx::query_as(
-        "SELECT n_dead_tup, n_live_tup FROM pg_stat_user_tables
-          WHERE schemaname = 'confluo' AND relname = 'task'",
-    )
-    .fetch_one(engine.pool())
-    .await?;
-    // Claims alone: a map of PENDING, claimed CLAIM at a time until none is left; then
-    // its execution is cancelled and the claimed tasks ended, so that no lease of theirs
-    // expires into a later measurement.
-    let claimed_map = engine
-        .start("map", &(0..PENDING).collect::<Vec<_>>())
-        .await?;
+/// Claims of CLAIM over a fresh map of `width`, until none is left: their times in ms,
+/// sorted. The map is cancelled and its claimed tasks ended afterwards, so that no lease
+/// of theirs expires into a later measurement.
+async fn claim_round(engine: &Engine, width: usize) -> anyhow::Result<Vec<f64>> {
+    let map = engine.start("map", &(0..width).collect::<Vec<_>>()).await?;
     let mut times = Vec::new();
     loop {
         let started = Instant::now();
@@ -187,18 +289,42 @@ async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
         }
         times.push(started.elapsed().as_secs_f64() * 1000.0);
     }
-    engine.cancel(claimed_map).await?;
+    engine.cancel(map).await?;
     sqlx::query(
         "UPDATE confluo.task SET status = 'cancelled', lease_expires_at = NULL, finished_at = now()
           WHERE execution_id = $1 AND status = 'running'",
     )
-    .bind(claimed_map)
+    .bind(map)
     .execute(engine.pool())
     .await?;
     times.sort_by(f64::total_cmp);
-    let pick = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    Ok(times)
+}
 
-    // A drain by a worker.
+fn quantile(times: &[f64], q: f64) -> f64 {
+    times[((times.len() - 1) as f64 * q).round() as usize]
+}
+
+/// The p50 of three claim rounds over PROBE pending tasks each (30 claims).
+async fn probe(engine: &Engine) -> anyhow::Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        times.extend(claim_round(engine, PROBE).await?);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(quantile(&times, 0.5))
+}
+
+async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
+    let (dead, live): (i64, i64) = sqlx::query_as(
+        "SELECT n_dead_tup, n_live_tup FROM pg_stat_user_tables
+          WHERE schemaname = 'confluo' AND relname = 'task'",
+    )
+    .fetch_one(engine.pool())
+    .await?;
+    let times = claim_round(engine, PENDING).await?;
+
+    // A drain by a worker (that archives nothing: the design is the bench's to apply).
     let ran = Arc::new(AtomicUsize::new(0));
     let counted = ran.clone();
     let id = engine
@@ -208,6 +334,7 @@ async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
     let worker = engine
         .worker()
         .concurrency(8)
+        .archive_after(None)
         .handler("map", "job", move |_| {
             counted.fetch_add(1, Ordering::Relaxed);
             std::future::ready(Ok::<_, TaskError>(()))
@@ -224,8 +351,8 @@ async fn measure(engine: &Engine) -> anyhow::Result<Measured> {
     Ok(Measured {
         dead,
         live,
-        claim_p50: pick(0.5),
-        claim_p90: pick(0.9),
+        claim_p50: quantile(&times, 0.5),
+        claim_p90: quantile(&times, 0.9),
         drain,
     })
 }

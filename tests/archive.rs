@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::{TestDb, WAIT};
 use confluo::{
-    ClaimedTask, DeadLetterFilter, Engine, ExecutionId, ExecutionStatus, MemberFilter,
-    RetryPolicy, Stage, TaskError, Workflow,
+    ClaimedTask, DeadLetterFilter, Engine, ExecutionId, ExecutionStatus, MemberFilter, RetryPolicy,
+    Stage, TaskError, Workflow,
 };
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
@@ -243,7 +243,10 @@ async fn archivers_racing_each_other_and_a_reprocess_move_each_execution_once() 
         let failed = db.engine.start("race-charge", &json!(1)).await.unwrap();
         let charge = claim_all(&db.engine, 1).await.remove(0);
         db.engine.fail(&charge, "declined", true).await.unwrap();
-        assert_eq!(db.engine.status(failed).await.unwrap(), ExecutionStatus::Failed);
+        assert_eq!(
+            db.engine.status(failed).await.unwrap(),
+            ExecutionStatus::Failed
+        );
         let mut ids = vec![failed];
         for _ in 0..19 {
             ids.push(db.engine.start("race", &[1, 2, 3]).await.unwrap());
@@ -365,10 +368,6 @@ async fn the_history_has_the_task_tables_columns_in_its_order() {
     let task = columns("task").await;
     assert!(task.len() > 20, "{task:?}");
     assert_eq!(columns("task_history").await, task);
-    let view: Vec<String> = columns("task_all")
-        .await
-        .into_iter()
-        .map(|c| c.0)
-        .collect();
+    let view: Vec<String> = columns("task_all").await.into_iter().map(|c| c.0).collect();
     assert_eq!(view, task.into_iter().map(|c| c.0).collect::<Vec<_>>());
 }

@@ -279,3 +279,57 @@ pub async fn purge(engine: Engine, args: PurgeArgs) -> anyhow::Result<ExitCode> 
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[derive(clap::Args)]
+pub struct ArchiveArgs {
+    #[command(flatten)]
+    pub target: crate::DatabaseArg,
+    /// Archive executions that ended longer ago than this: e.g. 1m, 12h, 0s.
+    #[arg(long, value_parser = parse_age, default_value = "1m")]
+    older_than: chrono::Duration,
+    /// Executions archived per statement.
+    #[arg(long, default_value_t = 100)]
+    batch: usize,
+    /// Say how many ended executions (and tasks) are still in the task table, and move
+    /// nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn archive(engine: Engine, args: ArchiveArgs) -> anyhow::Result<ExitCode> {
+    if args.dry_run {
+        let waiting = engine.unarchived().await?;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"executions": waiting.executions, "tasks": waiting.tasks,
+                                   "dry_run": true})
+            );
+        } else {
+            println!(
+                "{} ended executions still have their {} tasks in the task table \
+                 (dry run: nothing moved)",
+                waiting.executions, waiting.tasks
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    // A negative or huge age cannot come out of `parse_age`; saturate anyway.
+    let after = args.older_than.to_std().unwrap_or(std::time::Duration::MAX);
+    let moved = engine.archive(after, args.batch).await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"executions": moved.executions, "tasks": moved.tasks})
+        );
+    } else {
+        println!(
+            "moved the {} tasks of {} ended executions to the task history",
+            moved.tasks, moved.executions
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -62,6 +62,10 @@ enum Command {
     DeadLetters(dead_letters::Args),
     /// Deletes terminal executions older than a cutoff, in bounded batches.
     Purge(executions::PurgeArgs),
+    /// Moves the tasks of ended executions out of the task table that workers claim from
+    /// into the task history (workers do it on their own a minute after an execution
+    /// ends; this is for a backlog, or a deployment whose workers do not).
+    Archive(executions::ArchiveArgs),
     /// The worker registry: every worker with its host, pid, handlers, concurrency, what
     /// it runs and holds, and whether it is alive, lost (no heartbeat) or stopped.
     Workers(workers::Args),
@@ -191,6 +195,7 @@ impl Command {
             Command::Cancel(a) => a.target.database.as_deref(),
             Command::DeadLetters(a) => a.target.database.as_deref(),
             Command::Purge(a) => a.target.database.as_deref(),
+            Command::Archive(a) => a.target.database.as_deref(),
             Command::Doctor(a) => a.target.database.as_deref(),
             Command::Workers(a) => a.target.database.as_deref(),
             _ => None,
@@ -252,6 +257,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Cancel(args) => executions::cancel(connect(&options, 2).await?, args).await,
         Command::DeadLetters(args) => dead_letters::run(connect(&options, 2).await?, args).await,
         Command::Purge(args) => executions::purge(connect(&options, 2).await?, args).await,
+        Command::Archive(args) => executions::archive(connect(&options, 2).await?, args).await,
         Command::Worker(args) => worker::run(options, args).await,
         Command::Doctor(args) => doctor::run(connect(&options, 4).await?, args).await,
         Command::Workers(args) => workers::run(connect(&options, 2).await?, args).await,

@@ -123,6 +123,26 @@ async fn list_inspect_cancel_and_doctor() {
     assert_eq!(value.as_array().map(Vec::len), Some(1));
     assert_eq!(value[0]["id"], second.to_string());
 
+    // The cancelled one's task leaves the task table, and it reads the same.
+    let waiting = confluo(&url, &["archive", "--dry-run"]);
+    assert!(
+        text(&waiting).contains("1 ended executions still have their 1 tasks"),
+        "{}",
+        text(&waiting)
+    );
+    let too_young = confluo(&url, &["archive", "--older-than", "1h", "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&too_young.stdout).expect("JSON");
+    assert_eq!(value["executions"], 0, "{}", text(&too_young));
+    let archived = confluo(&url, &["archive", "--older-than", "0s"]);
+    assert!(
+        text(&archived).contains("moved the 1 tasks of 1 ended executions"),
+        "{}",
+        text(&archived)
+    );
+    let inspected = confluo(&url, &["inspect", &first.to_string(), "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&inspected.stdout).expect("JSON");
+    assert_eq!(value["stages"][0]["cancelled"], 1, "{value}");
+
     // Retention: only terminal executions older than the cutoff go.
     let kept = confluo(&url, &["purge", "--older-than", "1h"]);
     assert!(text(&kept).contains("deleted 0"), "{}", text(&kept));

@@ -9,7 +9,11 @@
 //! A transaction may skip a kind, never go back to an earlier one and wait. So every path
 //! that may fire a group, stop an execution or count a group back up takes the
 //! execution's lock first: a cancel, a deadline time-out, a fail-fast dead letter, a
-//! reprocess, a single completion that may be its group's last, a repair. Completions that
+//! reprocess (and the move of an archived execution's tasks back that it starts with), a
+//! single completion that may be its group's last, a repair. An archive locks the ended
+//! executions it moves before it deletes their tasks, oldest first rather than in id
+//! order, but it skips those another transaction holds: it never waits for one, so it
+//! cannot close a cycle. Completions that
 //! cannot be the last (one autocommitted statement: the task, then its stripe or group)
 //! never touch the execution. A batch of completions takes no execution lock up front
 //! (held by every busy batch, it would keep the deadline sweep, which skips locked
