@@ -275,7 +275,7 @@ async fn scaling(admin: &PgConnectOptions, args: &Args) -> anyhow::Result<()> {
         // The cost of each tenth, from the members' own acknowledgement times.
         let tenths: Vec<f64> = sqlx::query_scalar(
             "WITH t AS (SELECT finished_at, ntile(10) OVER (ORDER BY finished_at) AS tenth
-                          FROM confluo.task)
+                          FROM confluo.task_all)
              SELECT extract(epoch FROM max(finished_at) - min(finished_at))::float8
                     / count(*) * 1000
                FROM t GROUP BY tenth ORDER BY tenth",

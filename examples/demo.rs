@@ -172,7 +172,7 @@ async fn main() -> anyhow::Result<()> {
     // and exactly one task of the fan-in step.
     let (groups, fired, report_tasks): (i64, i64, i64) = sqlx::query_as(
         "SELECT count(*), count(fired_at),
-                (SELECT count(*) FROM confluo.task WHERE execution_id = $1 AND stage_index = 2)
+                (SELECT count(*) FROM confluo.task_all WHERE execution_id = $1 AND stage_index = 2)
            FROM confluo.stage_group WHERE execution_id = $1",
     )
     .bind(id)

@@ -347,16 +347,20 @@ where
                                           WHERE s.group_id = g.id)
                     ELSE g.remaining END AS remaining,
                 g.fan_in, g.fired_at, g.created_at AS entered_at,
-                coalesce(sum(t.attempt), 0)::int8 AS attempts,
-                count(*) FILTER (WHERE t.status = 'pending')   AS pending,
-                count(*) FILTER (WHERE t.status = 'running')   AS running,
-                count(*) FILTER (WHERE t.status = 'completed') AS completed,
-                count(*) FILTER (WHERE t.status = 'dead')      AS dead,
-                count(*) FILTER (WHERE t.status = 'cancelled') AS cancelled
+                coalesce(m.attempts, 0)::int8 AS attempts,
+                m.pending, m.running, m.completed, m.dead, m.cancelled
            FROM confluo.stage_group g
-           LEFT JOIN confluo.task_all t ON t.group_id = g.id
+           -- Per group, by its (group_id, item_index) index in both tables: a join would
+           -- let the planner hash the whole history when its statistics are missing.
+           CROSS JOIN LATERAL (
+                SELECT sum(t.attempt) AS attempts,
+                       count(*) FILTER (WHERE t.status = 'pending')   AS pending,
+                       count(*) FILTER (WHERE t.status = 'running')   AS running,
+                       count(*) FILTER (WHERE t.status = 'completed') AS completed,
+                       count(*) FILTER (WHERE t.status = 'dead')      AS dead,
+                       count(*) FILTER (WHERE t.status = 'cancelled') AS cancelled
+                  FROM confluo.task_all t WHERE t.group_id = g.id) m
           WHERE g.execution_id = $1
-          GROUP BY g.id
           ORDER BY g.stage_index",
     )
     .bind(id)

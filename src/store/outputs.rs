@@ -35,9 +35,13 @@ pub(crate) async fn stage_output_within(
             SELECT id, kind FROM confluo.stage_group
              WHERE execution_id = $1 AND stage_index = $2
          ), size AS (
-            SELECT COALESCE(sum(pg_column_size(t.output)), 0)::int8 AS stored
-              FROM g JOIN confluo.task_all t ON t.group_id = g.id
-             WHERE g.kind <> 'step'
+            -- Per group (a subquery on its id), so that both tables are read by their
+            -- (group_id, item_index) index whatever their statistics.
+            SELECT CASE WHEN g.kind = 'step' THEN 0
+                        ELSE COALESCE((SELECT sum(pg_column_size(t.output))
+                                         FROM confluo.task_all t WHERE t.group_id = g.id), 0)
+                   END::int8 AS stored
+              FROM g
          )
          SELECT size.stored,
                 CASE WHEN size.stored > $3 THEN NULL
@@ -82,8 +86,10 @@ pub(crate) async fn page(
     Ok(super::query_as(
         "SELECT t.item_index, t.handler, t.status, t.attempt, t.output,
                 t.errors -> -1 ->> 'error' AS error
-           FROM confluo.stage_group g JOIN confluo.task_all t ON t.group_id = g.id
-          WHERE g.execution_id = $1 AND g.stage_index = $2 AND t.item_index > $3
+           FROM confluo.task_all t
+          WHERE t.group_id = (SELECT g.id FROM confluo.stage_group g
+                               WHERE g.execution_id = $1 AND g.stage_index = $2)
+            AND t.item_index > $3
           ORDER BY t.item_index
           LIMIT $4",
     )
