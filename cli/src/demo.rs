@@ -87,10 +87,11 @@ pub async fn run(admin: PgConnectOptions, args: Args, throwaway: bool) -> anyhow
     }
     check_connections(&engine, args.workers).await?;
     let mut workers = Vec::new();
+    let route = crate::route::Route::direct(options.clone());
     for i in 0..args.workers {
         workers.push(
             start_worker(
-                &options,
+                &route,
                 &format!("demo-worker-{i}"),
                 args.fail_every,
                 Duration::ZERO,
@@ -223,22 +224,24 @@ pub async fn register_unless_there(engine: &Engine) -> anyhow::Result<()> {
     }
 }
 
+/// The `application_name` of the demo workflow's workers.
+const WORKER_APPLICATION: &str = "confluo-worker";
+
 /// A worker with a pool of its own serving the demo workflow: every `fail_every`-th item
 /// fails for good (0: none), every 7th fails once; each member takes `pace` (zero: no
 /// time at all; `serve --demo` slows them so that the dashboard's countdown is seen).
 pub async fn start_worker(
-    options: &PgConnectOptions,
+    route: &crate::route::Route,
     id: &str,
     fail_every: u64,
     pace: Duration,
 ) -> anyhow::Result<confluo::Worker> {
-    let pool = PgPoolOptions::new()
-        .max_connections(WORKER_POOL)
-        .connect_with(confluo::read_committed(options.clone()))
-        .await?;
-    Ok(Engine::new(pool)
-        .worker()
-        .id(id)
+    let engine = route.engine(WORKER_POOL, WORKER_APPLICATION).await?;
+    let mut worker = engine.worker().id(id);
+    if let Some(notifications) = route.notifications(WORKER_APPLICATION) {
+        worker = worker.notifications(notifications);
+    }
+    Ok(worker
         .concurrency(32)
         .handler(WORKFLOW, "plan", |t| async move {
             let n: u64 = t.input_as()?;

@@ -19,6 +19,7 @@ mod dead_letters;
 mod demo;
 mod doctor;
 mod executions;
+mod route;
 mod serve;
 use confluo_testkit as server;
 mod stress;

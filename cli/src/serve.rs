@@ -34,6 +34,8 @@ pub struct Args {
     #[command(flatten)]
     webhooks: crate::worker::WebhookArgs,
     #[command(flatten)]
+    pooler: crate::route::PoolerArgs,
+    #[command(flatten)]
     target: crate::DatabaseArg,
 }
 
@@ -63,11 +65,18 @@ pub async fn run(database_url: Option<&str>, args: Args) -> anyhow::Result<ExitC
     };
     let throwaway = !matches!(server, Server::Configured(_));
     let options = database_options(&server, &args).await?;
-    let engine = crate::connect(&options, 8).await?;
-    engine.migrate().await?;
+    let route = if throwaway {
+        crate::route::Route::direct(options)
+    } else {
+        // The direct URL, if any, names the same database.
+        let database = options.get_database().map(str::to_owned);
+        crate::route::Route::new(options, &args.pooler, database.as_deref())?
+    };
+    let engine = route.engine(8, "confluo-serve").await?;
+    route.migrate(&engine).await?;
     let webhooks = args.webhooks.start(&engine)?;
     let demo = if args.demo {
-        Some(Demo::start(&engine, &options, args.demo_width).await?)
+        Some(Demo::start(&engine, &route, args.demo_width).await?)
     } else {
         None
     };
@@ -154,14 +163,14 @@ struct Demo {
 impl Demo {
     async fn start(
         engine: &Engine,
-        options: &PgConnectOptions,
+        route: &crate::route::Route,
         width: u64,
     ) -> anyhow::Result<Demo> {
         crate::demo::register_unless_there(engine).await?;
         let mut workers = Vec::new();
         for i in 0..2 {
             let id = format!("confluo-serve-{}-{i}", std::process::id());
-            workers.push(crate::demo::start_worker(options, &id, 500, DEMO_PACE).await?);
+            workers.push(crate::demo::start_worker(route, &id, 500, DEMO_PACE).await?);
         }
         let engine = engine.clone();
         let starter = tokio::spawn(async move {

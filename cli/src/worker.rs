@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use confluo::Engine;
 use metrics_exporter_prometheus::PrometheusBuilder;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -26,6 +26,8 @@ pub struct Args {
     database: Option<String>,
     #[command(flatten)]
     webhooks: WebhookArgs,
+    #[command(flatten)]
+    pooler: crate::route::PoolerArgs,
 }
 
 /// Delivering the webhooks that announce executions' ends (`worker` and `serve` both do,
@@ -82,32 +84,29 @@ pub async fn run(options: PgConnectOptions, args: Args) -> anyhow::Result<ExitCo
     // Installed first, so that a signal during start-up is not fatal.
     let mut term = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
-    let options = match &args.database {
-        Some(name) => options.database(name),
-        None => options,
-    };
+    let route = crate::route::Route::new(options, &args.pooler, args.database.as_deref())?;
     if let Some(addr) = args.metrics {
         serve_metrics(addr)?;
     }
-    let engine = Engine::new(
-        PgPoolOptions::new()
-            .max_connections(2)
-            .connect_with(confluo::read_committed(options.clone()))
-            .await?,
-    );
-    engine.migrate().await?;
+    let engine = route.engine(2, "confluo-worker").await?;
+    route.migrate(&engine).await?;
     crate::demo::register_unless_there(&engine).await?;
     let webhooks = args.webhooks.start(&engine)?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
         let id = format!("confluo-worker-{}-{i}", std::process::id());
         workers
-            .push(crate::demo::start_worker(&options, &id, args.fail_every, Duration::ZERO).await?);
+            .push(crate::demo::start_worker(&route, &id, args.fail_every, Duration::ZERO).await?);
     }
     eprintln!(
-        "{} worker(s) serving {:?}; Ctrl-C (or SIGTERM) stops them gracefully",
+        "{} worker(s) serving {:?}{}; Ctrl-C (or SIGTERM) stops them gracefully",
         workers.len(),
-        crate::demo::WORKFLOW
+        crate::demo::WORKFLOW,
+        if route.through_pooler() {
+            " through a transaction pooler"
+        } else {
+            ""
+        }
     );
     tokio::select! {
         _ = interrupt.recv() => {}

@@ -620,3 +620,61 @@ async fn a_worker_process_serves_prometheus_metrics_and_stops_gracefully() {
         .await
         .unwrap();
 }
+
+/// `confluo worker --transaction-pooler --direct-url`: its pools go through the pooler
+/// (PgBouncer when `CONFLUO_TEST_PGBOUNCER` names one, else the server itself, which
+/// the pooler's statements work on too), its migrations and `LISTEN` over the direct URL.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_process_behind_a_transaction_pooler_migrates_over_the_direct_url() {
+    use std::time::Duration;
+    let database = "confluo_cli_pooled_worker_test";
+    let (mut admin, direct) = fresh_database(database).await;
+    let pooled = match std::env::var("CONFLUO_TEST_PGBOUNCER") {
+        Ok(bouncer) => with_database(&bouncer, database),
+        Err(_) => direct.clone(),
+    };
+    // The direct URL without the pooler flag is refused, saying what it needs.
+    let lone = confluo(&pooled, &["worker", "--direct-url", &direct]);
+    assert!(!lone.status.success());
+    assert!(
+        text(&lone).contains("--transaction-pooler"),
+        "{}",
+        text(&lone)
+    );
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_confluo"))
+        .args(["--database-url", &pooled, "worker", "--transaction-pooler"])
+        .args(["--fail-every", "0"])
+        .env("CONFLUO_DIRECT_URL", &direct)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let engine = Engine::connect(&direct).await.unwrap();
+    let id = loop {
+        match engine.start("demo-orders", &50).await {
+            Ok(id) => break id,
+            Err(_) if worker.try_wait().unwrap().is_none() => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("the worker exited: {e}"),
+        }
+    };
+    let done = engine.wait(id, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(done.status, confluo::ExecutionStatus::Completed);
+    let killed = Command::new("kill")
+        .args(["-TERM", &worker.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = worker.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("through a transaction pooler"), "{stderr}");
+    assert!(!stderr.contains("not migrating"), "{stderr}");
+
+    engine.pool().close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}
