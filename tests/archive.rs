@@ -9,27 +9,13 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{TestDb, WAIT};
+use common::{claim_n, TestDb, WAIT};
 use confluo::{
-    ClaimedTask, DeadLetterFilter, Engine, ExecutionId, ExecutionStatus, MemberFilter, RetryPolicy,
-    Stage, TaskError, Workflow,
+    DeadLetterFilter, Engine, ExecutionId, ExecutionStatus, MemberFilter, RetryPolicy, Stage,
+    TaskError, Workflow,
 };
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
-
-const LEASE: Duration = Duration::from_secs(60);
-
-async fn claim_all(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
-    let mut tasks = Vec::new();
-    for _ in 0..200 {
-        tasks.extend(engine.claim("test", n - tasks.len(), LEASE).await.unwrap());
-        if tasks.len() == n {
-            return tasks;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("claimed {} of {n} tasks", tasks.len());
-}
 
 /// (tasks in the hot table, tasks in the history) of one execution.
 async fn where_tasks_are(db: &TestDb, id: ExecutionId) -> (i64, i64) {
@@ -95,14 +81,14 @@ async fn archiving_moves_ended_executions_tasks_and_every_read_answers_the_same(
     .await;
     // One completes with a dead member (a partial map), one is still running.
     let ended = db.engine.start("wide", &[1, 2, 3, 4, 5]).await.unwrap();
-    let mut tasks = claim_all(&db.engine, 5).await;
+    let mut tasks = claim_n(&db.engine, 5).await;
     let dead = tasks.remove(2);
     db.engine.fail(&dead, "boom", true).await.unwrap();
     for t in &tasks {
         let x: i64 = db.engine.task_input(t).await.unwrap().as_i64().unwrap();
         db.engine.complete(t, json!(x * 10)).await.unwrap();
     }
-    let sum = claim_all(&db.engine, 1).await.remove(0);
+    let sum = claim_n(&db.engine, 1).await.remove(0);
     db.engine.complete(&sum, json!("summed")).await.unwrap();
     assert_eq!(
         db.engine.status(ended).await.unwrap(),
@@ -141,7 +127,7 @@ async fn a_stopped_execution_is_archived_once_its_running_attempts_end() {
     let db = TestDb::new(4).await;
     db.register(&Workflow::new("stop", 1).map("member")).await;
     let id = db.engine.start("stop", &[1, 2]).await.unwrap();
-    let held = claim_all(&db.engine, 1).await.remove(0);
+    let held = claim_n(&db.engine, 1).await.remove(0);
     assert!(db.engine.cancel(id).await.unwrap());
     // Its one attempt still runs: its acknowledgement goes to the hot table.
     let moved = db.engine.archive(Duration::ZERO, 10).await.unwrap();
@@ -169,7 +155,7 @@ async fn reprocessing_an_archived_dead_letter_brings_its_execution_back_and_it_f
     )
     .await;
     let id = db.engine.start("charge", &[100, 200]).await.unwrap();
-    let tasks = claim_all(&db.engine, 2).await;
+    let tasks = claim_n(&db.engine, 2).await;
     db.engine.complete(&tasks[0], json!("ok")).await.unwrap();
     db.engine
         .fail(&tasks[1], "gateway down", true)
@@ -188,10 +174,10 @@ async fn reprocessing_an_archived_dead_letter_brings_its_execution_back_and_it_f
     let done = db.engine.reprocess(listed[0].task_id).await.unwrap();
     assert!(done.resumed);
     assert_eq!(where_tasks_are(&db, id).await, (2, 0));
-    let retried = claim_all(&db.engine, 1).await.remove(0);
+    let retried = claim_n(&db.engine, 1).await.remove(0);
     assert_eq!(retried.id(), listed[0].task_id);
     db.engine.complete(&retried, json!("ok")).await.unwrap();
-    let receipt = claim_all(&db.engine, 1).await.remove(0);
+    let receipt = claim_n(&db.engine, 1).await.remove(0);
     db.engine.complete(&receipt, json!("sent")).await.unwrap();
     let finished = db.engine.execution(id).await.unwrap();
     assert_eq!(
@@ -208,7 +194,7 @@ async fn purge_deletes_the_history_of_what_it_deletes() {
     let db = TestDb::new(4).await;
     db.register(&Workflow::new("short", 1).map("member")).await;
     let id = db.engine.start("short", &[1, 2, 3]).await.unwrap();
-    for t in claim_all(&db.engine, 3).await {
+    for t in claim_n(&db.engine, 3).await {
         db.engine.complete(&t, json!(null)).await.unwrap();
     }
     db.engine.archive(Duration::ZERO, 10).await.unwrap();
@@ -241,7 +227,7 @@ async fn archivers_racing_each_other_and_a_reprocess_move_each_execution_once() 
         // 19 completed executions and a failed one, moved by four archivers while the
         // failed one's dead letter is reprocessed, all released at once.
         let failed = db.engine.start("race-charge", &json!(1)).await.unwrap();
-        let charge = claim_all(&db.engine, 1).await.remove(0);
+        let charge = claim_n(&db.engine, 1).await.remove(0);
         db.engine.fail(&charge, "declined", true).await.unwrap();
         assert_eq!(
             db.engine.status(failed).await.unwrap(),
@@ -251,10 +237,10 @@ async fn archivers_racing_each_other_and_a_reprocess_move_each_execution_once() 
         for _ in 0..19 {
             ids.push(db.engine.start("race", &[1, 2, 3]).await.unwrap());
         }
-        for t in claim_all(&db.engine, 57).await {
+        for t in claim_n(&db.engine, 57).await {
             db.engine.complete(&t, json!(null)).await.unwrap();
         }
-        for t in claim_all(&db.engine, 19).await {
+        for t in claim_n(&db.engine, 19).await {
             db.engine.complete(&t, json!(null)).await.unwrap();
         }
         let barrier = Arc::new(Barrier::new(5));
@@ -288,10 +274,10 @@ async fn archivers_racing_each_other_and_a_reprocess_move_each_execution_once() 
         .unwrap();
         assert!((19..=20).contains(&archived), "round {round}: {archived}");
         assert_eq!((hot, history), (1, 19 * 4), "round {round}");
-        let retried = claim_all(&db.engine, 1).await.remove(0);
+        let retried = claim_n(&db.engine, 1).await.remove(0);
         assert_eq!(retried.id(), charge.id());
         db.engine.complete(&retried, json!(0)).await.unwrap();
-        let after = claim_all(&db.engine, 1).await.remove(0);
+        let after = claim_n(&db.engine, 1).await.remove(0);
         db.engine.complete(&after, json!(null)).await.unwrap();
         assert_eq!(
             db.engine.status(failed).await.unwrap(),

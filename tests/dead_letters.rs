@@ -6,28 +6,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestDb, STRATEGIES};
+use common::{claim_n, TestDb, STRATEGIES};
 use confluo::{
-    ClaimedTask, DeadLetterFilter, Engine, Error, ExecutionStatus, FanInStrategy, MapResults,
-    Outcome, RetryPolicy, Stage, Workflow,
+    DeadLetterFilter, Error, ExecutionStatus, FanInStrategy, MapResults, Outcome, RetryPolicy,
+    Stage, Workflow,
 };
 use serde_json::{json, Value};
 
 const LEASE: Duration = Duration::from_secs(60);
-
-/// Claims until `n` tasks are in hand (a requeued task is due at once, but another
-/// claimer's snapshot may not see it yet).
-async fn claim_n(engine: &Engine, n: usize) -> Vec<ClaimedTask> {
-    let mut tasks = Vec::new();
-    for _ in 0..100 {
-        tasks.extend(engine.claim("test", n - tasks.len(), LEASE).await.unwrap());
-        if tasks.len() == n {
-            return tasks;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("claimed {} of {n} tasks", tasks.len());
-}
 
 async fn groups_at(db: &TestDb, id: confluo::ExecutionId, stage: i32) -> i64 {
     sqlx::query_scalar(

@@ -543,6 +543,36 @@ fn http_get(addr: &str, path: &str) -> std::io::Result<String> {
     Ok(response)
 }
 
+/// Starts a demo execution of `width` members once the worker process has migrated and
+/// registered the demo workflow, and waits for it to complete.
+async fn run_a_demo_execution(engine: &Engine, worker: &mut std::process::Child, width: u64) {
+    use std::time::Duration;
+    let id = loop {
+        match engine.start("demo-orders", &width).await {
+            Ok(id) => break id,
+            Err(_) if worker.try_wait().unwrap().is_none() => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("the worker exited: {e}"),
+        }
+    };
+    let done = engine.wait(id, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(done.status, confluo::ExecutionStatus::Completed);
+}
+
+/// Sends SIGTERM, expects a clean exit; the process's stderr.
+fn stop_gracefully(worker: std::process::Child) -> String {
+    let killed = Command::new("kill")
+        .args(["-TERM", &worker.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = worker.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    stderr
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_worker_process_serves_prometheus_metrics_and_stops_gracefully() {
     use std::time::Duration;
@@ -562,18 +592,7 @@ async fn a_worker_process_serves_prometheus_metrics_and_stops_gracefully() {
         .spawn()
         .unwrap();
     let engine = Engine::connect(&url).await.unwrap();
-    // The worker migrates and registers the demo workflow.
-    let id = loop {
-        match engine.start("demo-orders", &20).await {
-            Ok(id) => break id,
-            Err(_) if worker.try_wait().unwrap().is_none() => {
-                tokio::time::sleep(Duration::from_millis(100)).await
-            }
-            Err(e) => panic!("the worker exited: {e}"),
-        }
-    };
-    let done = engine.wait(id, Duration::from_secs(60)).await.unwrap();
-    assert_eq!(done.status, confluo::ExecutionStatus::Completed);
+    run_a_demo_execution(&engine, &mut worker, 20).await;
 
     // Counters move right after each commit: poll until the last ones show.
     let mut metrics = String::new();
@@ -601,18 +620,7 @@ async fn a_worker_process_serves_prometheus_metrics_and_stops_gracefully() {
     }
 
     // SIGTERM: a graceful stop.
-    let killed = Command::new("kill")
-        .args(["-TERM", &worker.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let out = worker.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped"));
+    assert!(stop_gracefully(worker).contains("stopped"));
 
     engine.pool().close().await;
     sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
@@ -626,7 +634,6 @@ async fn a_worker_process_serves_prometheus_metrics_and_stops_gracefully() {
 /// the pooler's statements work on too), its migrations and `LISTEN` over the direct URL.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_worker_process_behind_a_transaction_pooler_migrates_over_the_direct_url() {
-    use std::time::Duration;
     let database = "confluo_cli_pooled_worker_test";
     let (mut admin, direct) = fresh_database(database).await;
     let pooled = match std::env::var("CONFLUO_TEST_PGBOUNCER") {
@@ -650,25 +657,8 @@ async fn a_worker_process_behind_a_transaction_pooler_migrates_over_the_direct_u
         .spawn()
         .unwrap();
     let engine = Engine::connect(&direct).await.unwrap();
-    let id = loop {
-        match engine.start("demo-orders", &50).await {
-            Ok(id) => break id,
-            Err(_) if worker.try_wait().unwrap().is_none() => {
-                tokio::time::sleep(Duration::from_millis(100)).await
-            }
-            Err(e) => panic!("the worker exited: {e}"),
-        }
-    };
-    let done = engine.wait(id, Duration::from_secs(60)).await.unwrap();
-    assert_eq!(done.status, confluo::ExecutionStatus::Completed);
-    let killed = Command::new("kill")
-        .args(["-TERM", &worker.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let out = worker.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    run_a_demo_execution(&engine, &mut worker, 50).await;
+    let stderr = stop_gracefully(worker);
     assert!(stderr.contains("through a transaction pooler"), "{stderr}");
     assert!(!stderr.contains("not migrating"), "{stderr}");
 

@@ -166,7 +166,10 @@ async fn heartbeat(state: &State) {
 
 /// Sends the registry heartbeat, reclaims expired leases, times out executions past their
 /// deadline, archives ended executions' tasks and samples the queue depth, every half
-/// lease (at most 5 s apart), until aborted.
+/// lease (at most 5 s apart), until the worker shuts down. It returns between rounds,
+/// never in the middle of a statement: a statement future dropped half-way leaves its
+/// pooled connection to the next user with the exchange unfinished, and the shutdown's
+/// last write to the registry must not be overtaken by it.
 pub(super) async fn housekeeping(state: Arc<State>) {
     let every = housekeeping_interval(&state.settings);
     loop {
@@ -187,7 +190,10 @@ pub(super) async fn housekeeping(state: Arc<State>) {
             Ok(depth) => crate::metrics::queue_depth(&depth),
             Err(error) => tracing::debug!(%error, "sampling the queue depth failed"),
         }
-        sleep(every).await;
+        tokio::select! {
+            _ = state.shutdown.cancelled() => return,
+            _ = sleep(every) => {}
+        }
     }
 }
 

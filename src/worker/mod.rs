@@ -595,7 +595,8 @@ async fn run(
         let _ = fetcher.await;
     }
     listener.abort();
-    housekeeping.abort();
+    // Within one round: it stops between rounds (see `fetch::housekeeping`).
+    let _ = housekeeping.await;
     while let Ok(held) = local.try_recv() {
         unclaimed.push(held);
     }

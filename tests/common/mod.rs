@@ -561,3 +561,22 @@ pub fn test_ack_window_ms() -> Option<u64> {
             .expect("CONFLUO_TEST_ACK_WINDOW_MS: a number of milliseconds")
     })
 }
+
+/// Claims (as worker "test", under a 60 s lease) until `n` tasks are in hand: a task made
+/// claimable by another transaction may be missed by a claim whose snapshot predates it.
+pub async fn claim_n(engine: &confluo::Engine, n: usize) -> Vec<confluo::ClaimedTask> {
+    let mut tasks = Vec::new();
+    for _ in 0..200 {
+        tasks.extend(
+            engine
+                .claim("test", n - tasks.len(), Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
+        if tasks.len() == n {
+            return tasks;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("claimed {} of {n} tasks", tasks.len());
+}
