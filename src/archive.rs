@@ -49,16 +49,7 @@ impl Engine {
     /// in progress is not (its tasks stay in the hot table).
     pub async fn archive(&self, after: Duration, batch: usize) -> Result<Archived> {
         let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
-        let mut total = Archived::default();
-        loop {
-            let (executions, tasks) =
-                history::archive(self.pool(), store::millis(after), batch).await?;
-            total.executions += executions;
-            total.tasks += tasks;
-            if executions < batch as u64 {
-                return Ok(total);
-            }
-        }
+        self.archive_batches(after, batch, None).await
     }
 
     /// How many ended executions still have their tasks in the hot table, and how many
@@ -71,32 +62,42 @@ impl Engine {
     /// Reads only: dropping it changes nothing.
     pub async fn unarchived(&self) -> Result<Archived> {
         let (executions, tasks) = history::unarchived(self.pool()).await?;
-        Ok(Archived {
-            executions: executions.max(0) as u64,
-            tasks: tasks.max(0) as u64,
-        })
+        Ok(Archived { executions, tasks })
     }
 
     /// A worker's housekeeping round of archiving: batches of 50 executions for at most
     /// `budget`, so that the heartbeat and the lease sweep after it are not held up by a
     /// backlog. Failures are logged: the next round tries again.
     pub(crate) async fn archive_round(&self, after: Duration, budget: Duration) {
-        const BATCH: i64 = 50;
+        match self.archive_batches(after, 50, Some(budget)).await {
+            Ok(moved) if moved.tasks > 0 => tracing::debug!(
+                executions = moved.executions,
+                tasks = moved.tasks,
+                "archived ended executions' tasks"
+            ),
+            Ok(_) => {}
+            Err(error) => tracing::warn!(%error, "archiving ended executions' tasks failed"),
+        }
+    }
+
+    /// Archive statements of `batch` executions until one moves fewer (nothing is left
+    /// that no other transaction holds), or, with a `budget`, until that much time has
+    /// passed.
+    async fn archive_batches(
+        &self,
+        after: Duration,
+        batch: i64,
+        budget: Option<Duration>,
+    ) -> Result<Archived> {
         let started = std::time::Instant::now();
+        let mut total = Archived::default();
         loop {
-            match history::archive(self.pool(), store::millis(after), BATCH).await {
-                Ok((executions, tasks)) => {
-                    if tasks > 0 {
-                        tracing::debug!(executions, tasks, "archived ended executions' tasks");
-                    }
-                    if executions < BATCH as u64 || started.elapsed() >= budget {
-                        return;
-                    }
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "archiving ended executions' tasks failed");
-                    return;
-                }
+            let (executions, tasks) =
+                history::archive(self.pool(), store::millis(after), batch).await?;
+            total.executions += executions;
+            total.tasks += tasks;
+            if executions < batch as u64 || budget.is_some_and(|b| started.elapsed() >= b) {
+                return Ok(total);
             }
         }
     }

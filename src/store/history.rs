@@ -16,9 +16,9 @@ use crate::ids::ExecutionId;
 
 /// Moves the tasks of up to `batch` executions that ended at least `after_ms` ago (the
 /// oldest first), and have no attempt still running, into the history and marks them
-/// archived, in one autocommitted statement (READ COMMITTED, as the session is pinned; a locked execution is re-read at
-/// its latest version, so one resumed meanwhile is left alone). Returns how many
-/// executions and tasks it moved.
+/// archived, in one autocommitted statement (READ COMMITTED, as the session is pinned; a
+/// locked execution is re-read at its latest version, so one resumed meanwhile is left
+/// alone). Returns how many executions and tasks it moved.
 pub(crate) async fn archive<'e, E>(executor: E, after_ms: i64, batch: i64) -> Result<(u64, u64)>
 where
     E: super::Executor<'e>,
@@ -57,10 +57,10 @@ where
 }
 
 /// Moves an archived execution's tasks back into the hot table and clears its mark, in
-/// the caller's transaction, which holds the execution's lock (a reprocess). Returns how
-/// many tasks came back (0 if it was not archived).
-pub(crate) async fn restore(conn: &mut PgConnection, execution: ExecutionId) -> Result<u64> {
-    let (restored,): (i64,) = super::query_as(
+/// the caller's transaction, which holds the execution's lock (a reprocess). Does nothing
+/// if it was not archived.
+pub(crate) async fn restore(conn: &mut PgConnection, execution: ExecutionId) -> Result<()> {
+    super::query(
         "WITH unmarked AS (
             UPDATE confluo.execution SET archived_at = NULL
              WHERE id = $1 AND archived_at IS NOT NULL
@@ -69,24 +69,22 @@ pub(crate) async fn restore(conn: &mut PgConnection, execution: ExecutionId) -> 
             DELETE FROM confluo.task_history h USING unmarked u
              WHERE h.execution_id = u.id
             RETURNING h.*
-         ), back AS (
-            INSERT INTO confluo.task SELECT * FROM moved RETURNING 1
          )
-         SELECT count(*) FROM back",
+         INSERT INTO confluo.task SELECT * FROM moved",
     )
     .bind(execution)
-    .fetch_one(conn)
+    .execute(conn)
     .await?;
-    Ok(restored.max(0) as u64)
+    Ok(())
 }
 
 /// How many ended executions still have their tasks in the hot table, and how many tasks
 /// those are: what [`archive`] has left to do.
-pub(crate) async fn unarchived<'e, E>(executor: E) -> Result<(i64, i64)>
+pub(crate) async fn unarchived<'e, E>(executor: E) -> Result<(u64, u64)>
 where
     E: super::Executor<'e>,
 {
-    Ok(super::query_as(
+    let (executions, tasks): (i64, i64) = super::query_as(
         "SELECT count(*),
                 coalesce(sum((SELECT count(*) FROM confluo.task t
                                WHERE t.execution_id = e.id)), 0)::int8
@@ -94,5 +92,6 @@ where
           WHERE e.archived_at IS NULL AND e.status <> 'running'",
     )
     .fetch_one(executor)
-    .await?)
+    .await?;
+    Ok((executions.max(0) as u64, tasks.max(0) as u64))
 }
