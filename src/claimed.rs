@@ -35,6 +35,7 @@ pub struct ClaimedTask {
     pub(crate) workflow: String,
     pub(crate) workflow_version: i32,
     pub(crate) stage_index: usize,
+    pub(crate) input_stage: Option<usize>,
     pub(crate) handler: String,
     pub(crate) item_index: u32,
     pub(crate) attempt: u32,
@@ -73,9 +74,17 @@ impl ClaimedTask {
         self.workflow_version
     }
 
-    /// Its stage's position.
+    /// Its stage's position (as [`Workflow::stage_at`](crate::Workflow::stage_at)
+    /// numbers them).
     pub fn stage_index(&self) -> usize {
         self.stage_index
+    }
+
+    /// The stage whose output is its input; `None`: the execution input. The stage
+    /// before it, except after a conditional branch (the last stage of the arm that ran)
+    /// and at the start of an arm (the stage before the branch).
+    pub fn input_stage(&self) -> Option<usize> {
+        self.input_stage
     }
 
     /// The handler that runs it (stage name, or branch name in a parallel stage).
@@ -144,6 +153,7 @@ pub(crate) fn claimed_tasks(
                 workflow: r.workflow_name,
                 workflow_version: r.workflow_version,
                 stage_index: r.stage_index as usize,
+                input_stage: usize::try_from(r.input_stage).ok(),
                 handler: r.handler,
                 item_index: r.item_index as u32,
                 attempt: r.attempt as u32,
@@ -166,7 +176,7 @@ pub(crate) fn beyond_stages(task: TaskId, index: usize, workflow: &crate::Workfl
         task,
         reason: format!(
             "its stage index {index} is beyond the {} stage(s) of workflow {} v{}",
-            workflow.stages().len(),
+            workflow.stage_count(),
             workflow.name(),
             workflow.version()
         ),
@@ -253,7 +263,7 @@ impl Engine {
                 }
             };
             match known {
-                Ok(w) if task.stage_index < w.stages().len() => readable.push(task),
+                Ok(w) if w.stage_at(task.stage_index).is_some() => readable.push(task),
                 Ok(w) => unreadable.push((
                     task.id,
                     task.lease,

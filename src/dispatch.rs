@@ -1,16 +1,25 @@
-//! Stage transitions: entering a stage (creating its group and members) and firing a
-//! group whose countdown reached zero. Always inside the caller's transaction.
+//! Stage transitions: entering a stage (creating its group and members, or deciding a
+//! conditional branch) and firing a group whose countdown reached zero. Always inside the
+//! caller's transaction, which holds the execution's lock.
 
 use std::collections::{HashMap, HashSet};
 
 use sqlx::PgConnection;
 
-use crate::definition::{StageKind, Workflow};
+use crate::definition::{decide, Decision, StageKind, Workflow};
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 use crate::store::{executions, fan_in, groups, groups::MemberSource};
+
+/// The group whose output a stage receives: its id, kind and stage index.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Input {
+    pub group: GroupId,
+    pub kind: &'static str,
+    pub stage: i32,
+}
 
 /// Fires a group whose countdown reached zero: dispatches the next stage, or completes
 /// the execution after the last one. Returns whether it dispatched (false when the
@@ -57,19 +66,18 @@ pub(crate) async fn fire_many(
             .definition(&mut *conn, &row.workflow_name, row.workflow_version)
             .await?;
         let index = stage_of[&row.group_id] as usize;
-        if index + 1 == workflow.stages().len() {
+        let Some(next) = workflow.plan().next(index) else {
             completed.push(row.execution_id);
-            stages.push(index as i32 + 1);
+            stages.push(workflow.stage_count() as i32);
             outputs.push(row.group_id);
             continue;
-        }
-        let kind = workflow.stages()[index].kind().as_str();
+        };
         let entered = enter(
             conn,
             row.execution_id,
             &workflow,
-            index + 1,
-            Some((row.group_id, kind)),
+            Some(next),
+            Some(input_of(&workflow, row.group_id, index)),
             row.fan_in.parse()?,
         )
         .await?;
@@ -119,52 +127,121 @@ async fn transition(
         )
         .await?;
     let index = stage_index as usize;
-    let kind = workflow.stages()[index].kind().as_str();
     enter(
         conn,
         execution_id,
         &workflow,
-        index + 1,
-        Some((group_id, kind)),
+        workflow.plan().next(index),
+        Some(input_of(&workflow, group_id, index)),
         execution.fan_in.parse()?,
     )
     .await?;
     Ok(true)
 }
 
-/// Enters stage `index`, fed by `previous` (its group and kind; `None` for the first
-/// stage). Its group uses the stage's fan-in strategy, else `default_fan_in`. An empty
-/// map fires at once and the next stage is entered in the same transaction; past the
-/// last stage the execution completes. Returns the group of the stage it entered with
-/// members (`None`: the execution completed).
+/// The output of stage `index`'s group, as the input of what comes next.
+fn input_of(workflow: &Workflow, group: GroupId, index: usize) -> Input {
+    let kind = workflow
+        .stage_at(index)
+        .map_or("step", |s| s.kind().as_str());
+    Input {
+        group,
+        kind,
+        stage: index as i32,
+    }
+}
+
+/// Enters stage `index` of the plan (`None`: past the end), fed by `input` (`None`: the
+/// execution input). Its group uses the stage's fan-in strategy, else `default_fan_in`.
+/// A branch records its choice and goes on to its arm's first stage; a stage with no
+/// members (an empty map) fires at once, and the execution goes on to what follows it;
+/// past the end the execution completes; all in the caller's transaction. An unmatched
+/// branch without `otherwise`, or a map whose input (reached through a branch) is not an
+/// array it can take, fails the execution with the reason recorded on it. Returns the
+/// group of the stage it entered with members (`None`: the execution ended).
 pub(crate) async fn enter(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     workflow: &Workflow,
-    mut index: usize,
-    mut previous: Option<(GroupId, &'static str)>,
+    mut index: Option<usize>,
+    mut input: Option<Input>,
     default_fan_in: FanInStrategy,
 ) -> Result<Option<GroupId>> {
+    // The last branch passed: the output of an execution that ran no stage since.
+    let mut branch_group = None;
     loop {
-        let Some(stage) = workflow.stages().get(index) else {
-            let (group, _) = previous.expect("a validated workflow has at least one stage");
-            executions::complete(conn, execution_id, index as i32, group).await?;
+        let Some(at) = index else {
+            let output = input
+                .map(|i| i.group)
+                .or(branch_group)
+                .expect("an execution reaches its end through a group");
+            executions::complete(conn, execution_id, workflow.stage_count() as i32, output).await?;
             return Ok(None);
         };
-        let source = match (stage.kind(), previous) {
+        let slot = workflow
+            .plan()
+            .get(at)
+            .expect("the plan numbers every stage");
+        let stage = &slot.stage;
+        let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
+        let input_stage = input.map_or(-1, |i| i.stage);
+        if let StageKind::Branch {
+            by,
+            arms,
+            otherwise,
+        } = stage.kind()
+        {
+            let value = match input {
+                Some(i) => groups::output(&mut *conn, i.group).await?,
+                None => executions::input(&mut *conn, execution_id).await?,
+            };
+            match decide(stage.name(), by, arms, otherwise.is_some(), &value) {
+                Decision::Take(arm, choice) => {
+                    let group = GroupId::new();
+                    groups::create_branch(
+                        conn,
+                        execution_id,
+                        group,
+                        at,
+                        stage.name(),
+                        input_stage,
+                        fan_in,
+                        &choice,
+                    )
+                    .await?;
+                    branch_group = Some(group);
+                    index = slot.entries[arm.unwrap_or(arms.len())];
+                }
+                Decision::Unmatched(error) => {
+                    executions::stop(conn, execution_id, "failed", Some(&error)).await?;
+                    return Ok(None);
+                }
+            }
+            continue;
+        }
+        let source = match (stage.kind(), input) {
             (StageKind::Map, None) => MemberSource::ExecutionInput,
-            (StageKind::Map, Some((group, "step"))) => MemberSource::StepOutput(group),
-            (StageKind::Map, Some((group, _))) => MemberSource::GroupOutputs(group),
+            (StageKind::Map, Some(i)) if i.kind == "step" => MemberSource::StepOutput(i.group),
+            (StageKind::Map, Some(i)) => MemberSource::GroupOutputs(i.group),
             _ => MemberSource::Handlers,
         };
+        if branch_group.is_some() {
+            // Neither `start` nor the step's acknowledgement knew this map came next.
+            if let Some(error) =
+                groups::unmappable(conn, execution_id, stage.name(), source).await?
+            {
+                executions::stop(conn, execution_id, "failed", Some(&error)).await?;
+                return Ok(None);
+            }
+        }
         let group_id = GroupId::new();
-        let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
         let width = groups::create_stage(
             conn,
             execution_id,
             group_id,
             workflow,
-            index,
+            at,
+            input_stage,
             source,
             fan_in,
         )
@@ -173,15 +250,20 @@ pub(crate) async fn enter(
             return Ok(Some(group_id));
         }
         fan_in::mark_fired(conn, group_id).await?;
-        previous = Some((group_id, stage.kind().as_str()));
-        index += 1;
+        input = Some(Input {
+            group: group_id,
+            kind: stage.kind().as_str(),
+            stage: at as i32,
+        });
+        index = slot.next;
     }
 }
 
 /// Enters the first stage of many new executions of `workflow` (the caller's
 /// transaction created them): a step or parallel first stage in one statement for all of
 /// them; a map (whose members come from each input, and which may be empty and advance
-/// at once) or a striped stage per execution, through [`enter`].
+/// at once), a branch (which decides on each input) or a striped stage per execution,
+/// through [`enter`].
 pub(crate) async fn enter_first_stage_many(
     conn: &mut PgConnection,
     workflow: &Workflow,
@@ -193,9 +275,11 @@ pub(crate) async fn enter_first_stage_many(
     }
     let stage = &workflow.stages()[0];
     let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
-    if matches!(stage.kind(), StageKind::Map) || fan_in == FanInStrategy::Striped {
+    if matches!(stage.kind(), StageKind::Map | StageKind::Branch { .. })
+        || fan_in == FanInStrategy::Striped
+    {
         for &id in executions {
-            enter(conn, id, workflow, 0, None, default_fan_in).await?;
+            enter(conn, id, workflow, Some(0), None, default_fan_in).await?;
         }
         return Ok(());
     }

@@ -255,6 +255,7 @@ impl Engine {
                     attempts: s.attempts as u64,
                     entered_at: s.entered_at,
                     fired_at: s.fired_at,
+                    branch: s.branch.map(|b| b.0),
                 })
                 .collect(),
             dead_letters,

@@ -129,7 +129,7 @@ pub struct StageProgress {
     pub index: usize,
     /// Stage name.
     pub name: String,
-    /// `step`, `parallel` or `map`.
+    /// `step`, `parallel`, `map` or `branch`.
     pub kind: String,
     /// The group's id.
     pub group_id: GroupId,
@@ -157,6 +157,9 @@ pub struct StageProgress {
     pub entered_at: DateTime<Utc>,
     /// When the group fired (dispatched the next stage or completed the execution).
     pub fired_at: Option<DateTime<Utc>>,
+    /// For a conditional branch (width 0, fired when entered): the arm it took, and the
+    /// value that chose it.
+    pub branch: Option<crate::BranchChoice>,
 }
 
 /// A dead-lettered member.

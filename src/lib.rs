@@ -90,7 +90,10 @@ pub use callback::MAX_CALLBACK_LEN;
 pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
-pub use definition::{DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind, Workflow};
+pub use definition::{
+    Arm, Branch, BranchChoice, DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind,
+    Workflow,
+};
 pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs};
 pub use engine::{Engine, EngineBuilder};
 pub use error::{ConnectError, Error, Result};

@@ -161,16 +161,17 @@ impl Engine {
         Ok(BlockOutputs::new(self.clone(), execution_id, stage_index))
     }
 
-    /// The input of a task whose stage follows a block, unless the block's outputs take
-    /// more than `limit` bytes as stored: then [`Error::BlockInputTooLarge`].
+    /// The input of a task whose input stage is the block `block_stage`, unless the
+    /// block's outputs take more than `limit` bytes as stored: then
+    /// [`Error::BlockInputTooLarge`].
     pub(crate) async fn block_input(
         &self,
         execution_id: ExecutionId,
-        stage_index: usize,
+        block_stage: usize,
         limit: u64,
     ) -> Result<Value> {
         let mut conn = self.pool().acquire().await?;
-        let block = stage_index as i32 - 1;
+        let block = block_stage as i32;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         match outputs::stage_output_within(&mut conn, execution_id, block, limit).await? {
             outputs::Bounded::Output(value) => Ok(value),

@@ -211,7 +211,8 @@ impl Engine {
     }
 
     /// The input of a claimed task: its map element, or the stage input read by reference
-    /// (the execution input for the first stage, else the previous stage's output). After
+    /// (the execution input for the first stage, else the output of its
+    /// [`input_stage`](ClaimedTask::input_stage)). After
     /// a block whose members' outputs take more than
     /// [`DEFAULT_INLINE_BLOCK_INPUT`](crate::DEFAULT_INLINE_BLOCK_INPUT) bytes as stored,
     /// nothing is aggregated: read them with [`Engine::block_outputs`] instead.
@@ -231,14 +232,14 @@ impl Engine {
         if let Some(input) = &task.input {
             return Ok(input.clone());
         }
-        if task.stage_index == 0 {
+        let Some(input_stage) = task.input_stage else {
             let mut conn = self.pool().acquire().await?;
             let row = executions::get(&mut *conn, task.execution_id)
                 .await?
                 .ok_or(Error::ExecutionNotFound(task.execution_id))?;
             return Ok(row.input.0);
-        }
-        self.block_input(task.execution_id, task.stage_index, limit)
+        };
+        self.block_input(task.execution_id, input_stage, limit)
             .await
     }
 
@@ -296,14 +297,15 @@ impl Engine {
         self.cached_definition(&task.workflow, task.workflow_version)
             .is_some_and(|w| {
                 !matches!(
-                    w.stages().get(task.stage_index).map(|s| s.kind()),
+                    w.stage_at(task.stage_index).map(|s| s.kind()),
                     Some(StageKind::Step) | None
                 )
             })
     }
 
     /// Refuses an output that cannot feed the next stage: a step before a map must return
-    /// an array.
+    /// an array. After a step followed by a branch, only the stage entered knows; a map
+    /// there is checked when it is entered (an output it cannot use fails the execution).
     pub(crate) async fn check_output(&self, task: &ClaimedTask, output: &Value) -> Result<()> {
         let workflow = match self.cached_definition(&task.workflow, task.workflow_version) {
             Some(workflow) => workflow,
@@ -313,24 +315,21 @@ impl Engine {
                     .await?
             }
         };
-        let next_is_map = matches!(
-            workflow
-                .stages()
-                .get(task.stage_index + 1)
-                .map(|s| s.kind()),
-            Some(StageKind::Map)
-        );
+        let next = workflow
+            .plan()
+            .next(task.stage_index)
+            .and_then(|i| workflow.stage_at(i));
+        let next_is_map = matches!(next.map(|s| s.kind()), Some(StageKind::Map));
+        let next_name = next.map_or("", |s| s.name());
         let stage = workflow
-            .stages()
-            .get(task.stage_index)
+            .stage_at(task.stage_index)
             .ok_or_else(|| beyond_stages(task.id, task.stage_index, &workflow))?;
         let is_step = matches!(stage.kind(), StageKind::Step);
         if is_step && next_is_map && !output.is_array() {
             return Err(Error::InvalidOutput {
                 task: task.id,
                 reason: format!(
-                    "the next stage {:?} is a map, so this step must return a JSON array",
-                    workflow.stages()[task.stage_index + 1].name()
+                    "the next stage {next_name:?} is a map, so this step must return a JSON array"
                 ),
             });
         }
@@ -339,9 +338,8 @@ impl Engine {
                 return Err(Error::InvalidOutput {
                     task: task.id,
                     reason: format!(
-                        "the next stage {:?} is a map of at most {} members, and this step \
+                        "the next stage {next_name:?} is a map of at most {} members, and this step \
                          returned {} elements",
-                        workflow.stages()[task.stage_index + 1].name(),
                         crate::MAX_MAP_WIDTH,
                         items.len()
                     ),
@@ -441,8 +439,7 @@ impl Engine {
             .definition(&mut tx, a.workflow, a.workflow_version)
             .await?;
         let stage = workflow
-            .stages()
-            .get(a.stage_index)
+            .stage_at(a.stage_index)
             .ok_or_else(|| beyond_stages(a.id, a.stage_index, &workflow))?;
         let fails_execution = stage.fails_execution_on_member_failure();
         if fails_execution || (a.fan_in.counts() && (permanent || a.attempt >= a.max_attempts)) {

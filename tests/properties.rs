@@ -1,4 +1,5 @@
-//! Property tests: random workflow shapes (steps, parallel blocks, maps of width 0..64),
+//! Property tests: random workflow shapes (steps, parallel blocks, maps of width 0..64,
+//! conditional branches),
 //! failure patterns, duplicate and late completions and worker counts, run by concurrent
 //! workers on separate connections against real PostgreSQL. Whatever the case, the
 //! execution ends as a model of it predicts, every group fires exactly once, counters
@@ -18,11 +19,15 @@ use confluo::{ExecutionStatus, FanInStrategy, Outcome, RetryPolicy, Stage, Workf
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum Shape {
     Step,
     Parallel(u8),
     Map,
+    /// A branch on `/0` of the previous output: `1` (the first element of a step's
+    /// non-empty array) runs a map `y` over that array; anything else (an empty array, a
+    /// block's output) runs `otherwise`, a step `x`. Numbered: the branch, `y`, `x`.
+    Branch,
 }
 
 #[derive(Debug, Clone)]
@@ -63,6 +68,14 @@ impl Case {
                     (0..*n).map(|b| format!("s{}b{b}", i + 1)),
                 ),
                 Shape::Map => Stage::map(format!("s{}", i + 1)),
+                Shape::Branch => {
+                    let arm = |s: Stage| s.retry(retry).fan_in(self.strategy);
+                    Stage::branch(format!("s{}", i + 1))
+                        .by("/0")
+                        .on("1", [arm(Stage::map(format!("s{}y", i + 1)))])
+                        .otherwise([arm(Stage::step(format!("s{}x", i + 1)))])
+                        .into()
+                }
             };
             wf = wf.stage(stage.retry(retry).fan_in(self.strategy));
         }
@@ -73,47 +86,92 @@ impl Case {
         roll(self.seed, ("dead", stage, item)) < self.dead_pct
     }
 
-    /// What the execution ends as: its status, and the successful outputs of its last
-    /// stage (a step's whole output).
-    fn expected(&self) -> (ExecutionStatus, Value) {
+    /// What the execution ends as: its status, the successful outputs of the last stage
+    /// that ran (a step's whole output), and whether that stage was a step.
+    fn expected(&self) -> (ExecutionStatus, Value, bool) {
+        let failed = (ExecutionStatus::Failed, Value::Null, false);
         if self.dead(0, 0) {
-            return (ExecutionStatus::Failed, Value::Null);
+            return failed;
         }
-        let mut elements: Vec<Value> = (1..=self.width as i64).map(|v| json!(v)).collect();
-        let mut last = json!(elements);
+        let mut model = Model {
+            elements: (1..=self.width as i64).map(|v| json!(v)).collect(),
+            last: Value::Null,
+            step: true,
+        };
+        model.last = json!(model.elements);
+        // Stages as the plan numbers them: a branch, then its arms' `y` and `x`.
+        let mut index = 1;
         for (i, shape) in self.stages.iter().enumerate() {
-            let stage = i + 1;
-            match shape {
-                Shape::Step => {
-                    if self.dead(stage, 0) {
-                        return (ExecutionStatus::Failed, Value::Null);
-                    }
-                    elements = (1..=elements.len() as i64).map(|v| json!(v)).collect();
-                    last = json!(elements);
+            let ran = match shape {
+                Shape::Branch => {
+                    let (shape, at) = if model.step && !model.elements.is_empty() {
+                        (Shape::Map, index + 1)
+                    } else {
+                        (Shape::Step, index + 2)
+                    };
+                    index += 3;
+                    self.apply(&mut model, shape, at, i + 1)
                 }
-                Shape::Parallel(n) => {
-                    let ok: Vec<u8> = (0..*n)
-                        .filter(|b| !self.dead(stage, u32::from(*b)))
-                        .collect();
-                    elements = ok.iter().map(|b| json!(b)).collect();
-                    last = json!(ok
-                        .iter()
-                        .map(|b| (format!("s{stage}b{b}"), json!(b)))
-                        .collect::<serde_json::Map<_, _>>());
+                shape => {
+                    index += 1;
+                    self.apply(&mut model, *shape, index - 1, i + 1)
                 }
-                Shape::Map => {
-                    elements = elements
-                        .iter()
-                        .enumerate()
-                        .filter(|(item, _)| !self.dead(stage, *item as u32))
-                        .map(|(_, v)| json!(v.as_i64().unwrap() + 1))
-                        .collect();
-                    last = json!(elements);
-                }
+            };
+            if !ran {
+                return failed;
             }
         }
-        (ExecutionStatus::Completed, last)
+        (ExecutionStatus::Completed, model.last, model.step)
     }
+
+    /// Runs one stage numbered `index` (the `position`-th of the list) in the model;
+    /// false if it fails the execution.
+    fn apply(&self, model: &mut Model, shape: Shape, index: usize, position: usize) -> bool {
+        match shape {
+            Shape::Step => {
+                if self.dead(index, 0) {
+                    return false;
+                }
+                model.elements = (1..=model.elements.len() as i64)
+                    .map(|v| json!(v))
+                    .collect();
+                model.last = json!(model.elements);
+            }
+            Shape::Parallel(n) => {
+                let ok: Vec<u8> = (0..n)
+                    .filter(|b| !self.dead(index, u32::from(*b)))
+                    .collect();
+                model.elements = ok.iter().map(|b| json!(b)).collect();
+                model.last = json!(ok
+                    .iter()
+                    .map(|b| (format!("s{position}b{b}"), json!(b)))
+                    .collect::<serde_json::Map<_, _>>());
+            }
+            Shape::Map => {
+                model.elements = model
+                    .elements
+                    .iter()
+                    .enumerate()
+                    .filter(|(item, _)| !self.dead(index, *item as u32))
+                    .map(|(_, v)| json!(v.as_i64().unwrap() + 1))
+                    .collect();
+                model.last = json!(model.elements);
+            }
+            Shape::Branch => unreachable!("a branch runs one of its arms' stages"),
+        }
+        model.step = shape == Shape::Step;
+        true
+    }
+}
+
+/// Where the model's execution stands after a stage.
+struct Model {
+    /// The successful outputs (a step's: the elements of its array).
+    elements: Vec<Value>,
+    /// The output as compared at the end (a block's: its successful outputs).
+    last: Value,
+    /// Whether the stage was a step.
+    step: bool,
 }
 
 /// What a handler returns for `input`, as the model says.
@@ -143,7 +201,8 @@ fn case() -> impl Strategy<Value = Case> {
     let shape = prop_oneof![
         Just(Shape::Step),
         (1u8..=4).prop_map(Shape::Parallel),
-        Just(Shape::Map)
+        Just(Shape::Map),
+        Just(Shape::Branch)
     ];
     (
         0usize..64,
@@ -278,7 +337,7 @@ async fn run(case: &Case) -> Result<(), String> {
         return Err(v.clone());
     }
 
-    let (status, last) = case.expected();
+    let (status, last, last_is_step) = case.expected();
     if execution.status != status {
         return Err(format!(
             "execution {:?}, expected {status:?}",
@@ -287,9 +346,10 @@ async fn run(case: &Case) -> Result<(), String> {
     }
     if status == ExecutionStatus::Completed {
         let got = execution.output.clone().unwrap_or(Value::Null);
-        let got = match case.stages.last() {
-            Some(Shape::Step) => got,
-            _ => got["outputs"].clone(),
+        let got = if last_is_step {
+            got
+        } else {
+            got["outputs"].clone()
         };
         if got != last {
             return Err(format!("output {got}, expected {last}"));

@@ -149,6 +149,13 @@ pub fn timeline(e: &Execution) -> String {
                 (t - s.entered_at).as_seconds_f64()
             ))
         );
+        if let Some(choice) = &s.branch {
+            let arm = choice
+                .arm
+                .as_ref()
+                .map_or("otherwise".to_owned(), |a| format!("arm {a:?}"));
+            out += &format!("      took {arm} (selected value: {})\n", choice.value);
+        }
     }
     if !e.dead_letters.is_empty() {
         out += &format!("\n  dead letters ({}):\n", e.dead_letters.len());

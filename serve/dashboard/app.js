@@ -320,7 +320,11 @@ async function executionView(view, id) {
       x.stages.map((s) => h("tr", { "data-stage": s.index, class: s.index === stageIndex ? "selected" : null },
         h("td", { class: "num", text: s.index }),
         h("td", {}, link(`#/executions/${id}?stage=${s.index}`, s.name)),
-        h("td", { text: s.kind }), h("td", { text: s.fan_in || "" }), h("td", { class: "num", text: s.width }),
+        h("td", s.branch
+          ? { class: "branch", title: `selected value: ${JSON.stringify(s.branch.value)}`,
+              text: `branch: took ${s.branch.arm === null ? "otherwise" : JSON.stringify(s.branch.arm)}` }
+          : { text: s.kind }),
+        h("td", { text: s.fan_in || "" }), h("td", { class: "num", text: s.width }),
         h("td", { class: "num" }, h("span", { class: "countdown", id: `countdown-${s.index}`, text: s.remaining })),
         h("td", {}, progress(s)),
         h("td", { class: "num", text: s.completed }), h("td", { class: "num", text: s.dead }),

@@ -144,6 +144,13 @@ async fn the_dashboard_shows_a_countdown_and_reprocesses_a_dead_letter() {
         .register(
             &Workflow::new("browser", 1)
                 .stage(confluo::Stage::map("item"))
+                // The first output is 0: an empty arm, straight on to `finish`.
+                .stage(
+                    confluo::Stage::branch("route")
+                        .by("/outputs/0")
+                        .on("0", Vec::<confluo::Stage>::new())
+                        .otherwise(Vec::<confluo::Stage>::new()),
+                )
                 .step("finish")
                 // No delivery loop runs here: the page shows the notifications pending.
                 .callback("https://hooks.example.com/browser"),
@@ -303,6 +310,12 @@ async fn the_dashboard_shows_a_countdown_and_reprocesses_a_dead_letter() {
     let done = engine.execution(id).await.unwrap();
     assert_eq!(done.status, confluo::ExecutionStatus::Completed);
     assert_eq!(done.output, Some(json!("finished")));
+    // The branch's row says which arm it took, and the value that chose it.
+    let branch = watch(&client, "tr[data-stage=\"1\"] td.branch", |t| {
+        t.contains("took \"0\"")
+    })
+    .await;
+    assert_eq!(branch.last().unwrap(), "branch: took \"0\"");
 
     // The other pages render what the API holds.
     client.goto(&format!("{base}/#/workers")).await.unwrap();

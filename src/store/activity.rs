@@ -25,7 +25,8 @@ pub(crate) async fn tasks_by_status_and_minute(
     .await?)
 }
 
-/// Of the groups fired within `window_secs` whose next stage was claimed: how many, how
+/// Of the groups fired within `window_secs` whose next stage (the one whose input they
+/// are) was claimed: how many, how
 /// many of those were claimed in the firing transaction itself (the same `now()`), and
 /// the 50th and 95th percentiles and the maximum, in seconds, of the time from the
 /// firing to the first claim of a member of the next stage.
@@ -33,7 +34,7 @@ pub(crate) async fn hand_over_seconds(
     conn: &mut PgConnection,
     window_secs: f64,
 ) -> Result<(i64, i64, Option<f64>, Option<f64>, Option<f64>)> {
-    Ok(super::query_as(
+    let sql = format!(
         "SELECT count(*), count(*) FILTER (WHERE seconds = 0),
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds),
                 percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds),
@@ -43,11 +44,13 @@ pub(crate) async fn hand_over_seconds(
                           - g.fired_at)::float8 AS seconds
                    FROM confluo.stage_group g
                    JOIN confluo.stage_group n
-                     ON n.execution_id = g.execution_id AND n.stage_index = g.stage_index + 1
+                     ON n.execution_id = g.execution_id AND {} = g.stage_index
                   WHERE g.fired_at >= now() - make_interval(secs => $1)) AS hand_overs
           WHERE seconds IS NOT NULL",
-    )
-    .bind(window_secs)
-    .fetch_one(conn)
-    .await?)
+        super::groups::input_stage_of("n")
+    );
+    Ok(super::query_as(&sql)
+        .bind(window_secs)
+        .fetch_one(conn)
+        .await?)
 }

@@ -201,6 +201,16 @@ pub(crate) async fn complete_many(
     .rows_affected())
 }
 
+/// The input an execution was started with.
+pub(crate) async fn input(conn: &mut PgConnection, id: ExecutionId) -> Result<Value> {
+    let input: Option<Json<Value>> =
+        super::query_scalar("SELECT input FROM confluo.execution WHERE id = $1")
+            .bind(id)
+            .fetch_optional(conn)
+            .await?;
+    Ok(input.map_or(Value::Null, |j| j.0))
+}
+
 /// Completes a running execution; its output is read by reference from `output_group`.
 pub(crate) async fn complete(
     conn: &mut PgConnection,
@@ -328,6 +338,7 @@ pub(crate) struct StageRow {
     pub fan_in: String,
     pub fired_at: Option<DateTime<Utc>>,
     pub entered_at: DateTime<Utc>,
+    pub branch: Option<Json<crate::definition::BranchChoice>>,
     pub attempts: i64,
     pub pending: i64,
     pub running: i64,
@@ -346,7 +357,7 @@ where
                     WHEN 'striped' THEN (SELECT sum(s.remaining)::int FROM confluo.group_stripe s
                                           WHERE s.group_id = g.id)
                     ELSE g.remaining END AS remaining,
-                g.fan_in, g.fired_at, g.created_at AS entered_at,
+                g.fan_in, g.fired_at, g.created_at AS entered_at, g.branch,
                 coalesce(m.attempts, 0)::int8 AS attempts,
                 m.pending, m.running, m.completed, m.dead, m.cancelled
            FROM confluo.stage_group g

@@ -3,7 +3,7 @@
 use serde_json::Value;
 use sqlx::PgConnection;
 
-use crate::definition::{Stage, Workflow};
+use crate::definition::{BranchChoice, Stage, Workflow};
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
@@ -34,20 +34,31 @@ const MAX_STRIPES: i64 = 256;
 /// workers send. Stored per group, so changing it never affects existing groups.
 const STRIPE_RUN: i32 = 1;
 
+/// The stage whose output is group `g`'s input (-1: the execution input), for groups
+/// created before `input_stage` was recorded too (migration 0013).
+pub(crate) fn input_stage_of(g: &str) -> String {
+    format!("COALESCE({g}.input_stage, {g}.stage_index - 1)")
+}
+
 /// Creates a stage's countdown row (and stripes) and all its members in one statement, so
 /// that the group is never visible without its tasks; in the same statement, records the
 /// execution's current stage and, if there are members, wakes the workers (at commit).
-/// Returns the width.
+/// `input_stage`: the stage whose output is its input (-1: the execution input). Returns
+/// the width.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn create_stage(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     group_id: GroupId,
     workflow: &Workflow,
     stage_index: usize,
+    input_stage: i32,
     source: MemberSource,
     fan_in: FanInStrategy,
 ) -> Result<i32> {
-    let stage: &Stage = &workflow.stages()[stage_index];
+    let stage: &Stage = workflow
+        .stage_at(stage_index)
+        .expect("the plan numbers every stage it enters");
     let source_sql = match source {
         MemberSource::Handlers => {
             "SELECT s.h AS handler, NULL::jsonb AS input, s.o AS ord
@@ -81,10 +92,10 @@ pub(crate) async fn create_stage(
          g AS (
             INSERT INTO confluo.stage_group
                    (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
-                    stripes, stripe_run)
+                    stripes, stripe_run, input_stage)
             SELECT $1, $2, $3, $4, $5, k.n,
                    CASE $15 WHEN 'countdown' THEN k.n WHEN 'striped' THEN least(k.n, k.k) END,
-                   $15, k.k, $19
+                   $15, k.k, $19, $20
               FROM k
             RETURNING width
          ),
@@ -136,8 +147,43 @@ pub(crate) async fn create_stage(
         .bind(MAX_STRIPES)
         .bind(MEMBERS_PER_STRIPE)
         .bind(crate::store::TASKS_CHANNEL)
-        .bind(STRIPE_RUN);
+        .bind(STRIPE_RUN)
+        .bind(input_stage);
     Ok(query.fetch_one(conn).await?)
+}
+
+/// Records a branch's choice as a group of width 0, fired at once (a branch runs no task),
+/// and the execution's current stage.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn create_branch(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    group_id: GroupId,
+    stage_index: usize,
+    stage_name: &str,
+    input_stage: i32,
+    fan_in: FanInStrategy,
+    choice: &BranchChoice,
+) -> Result<()> {
+    super::query(
+        "WITH g AS (
+            INSERT INTO confluo.stage_group
+                   (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
+                    stripes, stripe_run, input_stage, branch, fired_at)
+            VALUES ($1, $2, $3, $4, 'branch', 0, 0, $5, 1, 1, $6, $7, now())
+         )
+         UPDATE confluo.execution SET current_stage = $3, updated_at = now() WHERE id = $2",
+    )
+    .bind(group_id)
+    .bind(execution_id)
+    .bind(stage_index as i32)
+    .bind(stage_name)
+    .bind(fan_in.as_str())
+    .bind(input_stage)
+    .bind(sqlx::types::Json(choice))
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// Creates the first stage of many new executions at once, when its members are its
@@ -152,15 +198,16 @@ pub(crate) async fn create_first_stages(
 ) -> Result<()> {
     debug_assert!(fan_in != FanInStrategy::Striped);
     let stage: &Stage = &workflow.stages()[0];
+    debug_assert!(!matches!(stage.kind(), crate::StageKind::Branch { .. }));
     let retry = stage.retry_policy();
     let handlers = stage.handler_names();
     super::query(
         "WITH g AS (
             INSERT INTO confluo.stage_group
                    (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
-                    stripes, stripe_run)
+                    stripes, stripe_run, input_stage)
             SELECT gen_random_uuid(), e.id, 0, $2, $3, cardinality($4::text[]),
-                   CASE WHEN $5 = 'countdown' THEN cardinality($4::text[]) END, $5, 1, $15
+                   CASE WHEN $5 = 'countdown' THEN cardinality($4::text[]) END, $5, 1, $15, -1
               FROM unnest($1::uuid[]) AS e(id)
             RETURNING id, execution_id
          ), t AS (
@@ -196,7 +243,9 @@ pub(crate) async fn create_first_stages(
 
 /// The output of a group as the next stage sees it: a step's own output; for a map
 /// `{"outputs": [..successful outputs in item order..], "failed": [..]}`; for a parallel
-/// block `{"outputs": {branch: output}, "failed": [..]}`. One statement over the groups
+/// block `{"outputs": {branch: output}, "failed": [..]}`; for a conditional branch (the
+/// output of an execution whose first stage is a branch that took an empty arm, the only
+/// time a branch's group is read), the execution input. One statement over the groups
 /// that `group_filter` selects (as `g`).
 fn output_sql(group_filter: &str) -> String {
     format!(
@@ -205,7 +254,8 @@ fn output_sql(group_filter: &str) -> String {
     )
 }
 
-/// The expression of [`output_sql`] for one group `g` (any row with its `id` and `kind`).
+/// The expression of [`output_sql`] for one group `g` (any row with its `id`, `kind` and
+/// `execution_id`).
 ///
 /// Built as `json` (text), not `jsonb`: the value goes straight to the client, and
 /// aggregating 10 000 outputs into `jsonb` costs about twice as much (it re-encodes each).
@@ -229,6 +279,8 @@ pub(crate) fn output_expression() -> String {
                                         FILTER (WHERE t.status = 'completed'), '{{}}'::json),
                     'failed', {})
                   FROM confluo.task_all t WHERE t.group_id = g.id)
+            WHEN 'branch' THEN (
+                SELECT x.input::json FROM confluo.execution x WHERE x.id = g.execution_id)
             ELSE (
                 SELECT json_build_object(
                     'outputs', COALESCE(json_agg(t.output ORDER BY t.item_index)
@@ -239,6 +291,54 @@ pub(crate) fn output_expression() -> String {
         failed("t.handler"),
         failed("NULL")
     )
+}
+
+/// Why a map stage cannot take its input from `source`, if it cannot: a step's output or
+/// the execution input that is not an array, or one longer than
+/// [`MAX_MAP_WIDTH`](crate::MAX_MAP_WIDTH). (A block's outputs always fit.) For a map
+/// reached through a conditional branch, which nothing checked before it was entered.
+pub(crate) async fn unmappable(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    stage: &str,
+    source: MemberSource,
+) -> Result<Option<String>> {
+    let shape: Option<(String, Option<i32>)> = match source {
+        MemberSource::Handlers | MemberSource::GroupOutputs(_) => return Ok(None),
+        MemberSource::ExecutionInput => {
+            super::query_as(
+                "SELECT jsonb_typeof(input),
+                        CASE WHEN jsonb_typeof(input) = 'array' THEN jsonb_array_length(input) END
+                   FROM confluo.execution WHERE id = $1",
+            )
+            .bind(execution_id)
+            .fetch_optional(&mut *conn)
+            .await?
+        }
+        MemberSource::StepOutput(group) => {
+            super::query_as(
+                "SELECT COALESCE(jsonb_typeof(output), 'null'),
+                        CASE WHEN jsonb_typeof(output) = 'array' THEN jsonb_array_length(output) END
+                   FROM confluo.task WHERE group_id = $1 LIMIT 1",
+            )
+            .bind(group)
+            .fetch_optional(&mut *conn)
+            .await?
+        }
+    };
+    let max = crate::MAX_MAP_WIDTH;
+    Ok(match shape {
+        Some((_, Some(len))) if len as usize <= max => None,
+        Some((_, Some(len))) => Some(format!(
+            "map stage {stage:?} takes at most {max} members, and its input has {len}: \
+             split the work before the branch"
+        )),
+        Some((kind, None)) => Some(format!(
+            "map stage {stage:?} needs a JSON array as its input and got {kind}: make the \
+             stage before it return an array"
+        )),
+        None => Some(format!("map stage {stage:?} found no input")),
+    })
 }
 
 /// The output of one group.

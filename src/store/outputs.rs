@@ -32,7 +32,7 @@ pub(crate) async fn stage_output_within(
 ) -> Result<Bounded> {
     let sql = format!(
         "WITH g AS (
-            SELECT id, kind FROM confluo.stage_group
+            SELECT id, kind, execution_id FROM confluo.stage_group
              WHERE execution_id = $1 AND stage_index = $2
          ), size AS (
             -- Per group (a subquery on its id), so that both tables are read by their

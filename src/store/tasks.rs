@@ -28,6 +28,8 @@ pub(crate) struct ClaimedRow {
     pub handler: String,
     pub item_index: i32,
     pub input: Option<Json<Value>>,
+    /// The stage whose output is its input (-1: the execution input).
+    pub input_stage: i32,
     pub attempt: i32,
     pub max_attempts: i32,
     pub timeout_ms: i64,
@@ -47,24 +49,27 @@ pub(crate) struct HandlerKeys {
 }
 
 /// What a claimed row carries besides the task: its input resolved in the claim
-/// statement, unless the previous stage was a block (a parallel or map stage's outputs
+/// statement, unless its input stage was a block (a parallel or map stage's outputs
 /// are aggregated when the task runs, not copied into every claim), and the statuses that
-/// decide how the attempt is run and acknowledged.
+/// decide how the attempt is run and acknowledged. Reads the task as `t` and its group as
+/// `g`; the input stage is `groups::input_stage_of("g")`.
 const CLAIMED_COLUMNS: &str = "
     t.id, t.execution_id, t.group_id, t.workflow_name, t.workflow_version,
     t.stage_index, t.handler, t.item_index, t.attempt, t.max_attempts,
     t.timeout_ms, t.lease_token, t.lease_expires_at,
     CASE WHEN t.input IS NOT NULL THEN t.input
-         WHEN t.stage_index = 0 THEN
+         WHEN COALESCE(g.input_stage, g.stage_index - 1) < 0 THEN
              (SELECT e.input FROM confluo.execution e WHERE e.id = t.execution_id)
          ELSE (SELECT COALESCE(p.output, 'null'::jsonb)
                  FROM confluo.stage_group pg JOIN confluo.task p ON p.group_id = pg.id
-                WHERE pg.execution_id = t.execution_id AND pg.stage_index = t.stage_index - 1
+                WHERE pg.execution_id = t.execution_id
+                  AND pg.stage_index = COALESCE(g.input_stage, g.stage_index - 1)
                   AND pg.kind = 'step'
                 LIMIT 1)
     END AS input,
+    COALESCE(g.input_stage, g.stage_index - 1) AS input_stage,
     (SELECT e.status FROM confluo.execution e WHERE e.id = t.execution_id) AS execution_status,
-    (SELECT g.fan_in FROM confluo.stage_group g WHERE g.id = t.group_id) AS fan_in,
+    g.fan_in,
     extract(epoch FROM now() - t.run_at)::float8 AS waited";
 
 /// Picks due tasks of the given handlers: each handler's range of `task_claim_handler_idx`
@@ -96,8 +101,8 @@ fn claim_sql(picked: &str, queued: bool) -> String {
             SET status = 'running', attempt = t.attempt + 1, lease_token = gen_random_uuid(),
                 lease_expires_at = now() + $2 * interval '1 millisecond',
                 worker_id = $3, started_at = now(), started = {started}
-           FROM picked
-          WHERE t.id = picked.id
+           FROM picked, confluo.stage_group g
+          WHERE t.id = picked.id AND g.id = t.group_id
       RETURNING {CLAIMED_COLUMNS}"
     )
 }
@@ -364,7 +369,9 @@ pub(crate) async fn held(
     token: LeaseToken,
 ) -> Result<Option<ClaimedRow>> {
     let sql = format!(
-        "SELECT {CLAIMED_COLUMNS} FROM confluo.task t WHERE {}",
+        "SELECT {CLAIMED_COLUMNS}
+           FROM confluo.task t JOIN confluo.stage_group g ON g.id = t.group_id
+          WHERE {}",
         held!("t", "$1", "$2")
     );
     Ok(super::query_as(&sql)

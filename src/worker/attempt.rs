@@ -59,13 +59,10 @@ async fn run_handler(state: &State, held: &Held) -> Ending {
     let task = &held.task;
     // Stage 0 and steps after steps come with their input; after a block it is read now,
     // unless it is too large, and the members can be read page by page either way.
-    let previous_block = (task.input.is_none() && task.stage_index > 0).then(|| {
-        BlockOutputs::new(
-            state.engine.clone(),
-            task.execution_id,
-            task.stage_index - 1,
-        )
-    });
+    let previous_block = task
+        .input_stage
+        .filter(|_| task.input.is_none())
+        .map(|block| BlockOutputs::new(state.engine.clone(), task.execution_id, block));
     let mut withheld = None;
     let input = match &task.input {
         Some(input) => input.clone(),

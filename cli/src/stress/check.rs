@@ -58,7 +58,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                     count(g.fired_at) || ' fired'
                FROM confluo.execution e LEFT JOIN confluo.stage_group g ON g.execution_id = e.id
               WHERE e.status = 'completed'
-              GROUP BY e.id HAVING count(g.id) <> 4 OR count(g.fired_at) <> 4 LIMIT 5",
+              GROUP BY e.id HAVING count(g.id) <> 6 OR count(g.fired_at) <> 6 LIMIT 5",
         )
         .await?,
     );
@@ -126,6 +126,32 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                       FROM confluo.task_all t WHERE t.execution_id = s.execution_id AND t.stage_index = 1
                ) m ON true
               WHERE s.outputs <> m.completed OR s.total <> m.total OR s.failed <> m.failed
+              LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "every completed execution took the one arm its left total's parity names",
+        rows(
+            pool,
+            "SELECT e.id || ': took ' || COALESCE(b.branch ->> 'arm', 'nothing') || ', ran '
+                    || COALESCE(a.arms, 'no arm') || ', left saw ' || COALESCE(s.totals, 'nothing')
+               FROM confluo.execution e
+               LEFT JOIN confluo.stage_group b ON b.execution_id = e.id AND b.kind = 'branch'
+               LEFT JOIN LATERAL (SELECT string_agg(DISTINCT t.handler, ',') AS arms
+                                    FROM confluo.task_all t
+                                   WHERE t.execution_id = e.id AND t.handler IN ('even', 'odd')) a
+                      ON true
+               LEFT JOIN LATERAL (SELECT string_agg(DISTINCT s.total::text, ',') AS totals,
+                                         min(s.total) AS total
+                                    FROM confluo_stress.seen s
+                                   WHERE s.execution_id = e.id AND s.handler = 'left') s
+                      ON true
+              WHERE e.status = 'completed'
+                AND (b.branch ->> 'arm' IS DISTINCT FROM
+                         CASE WHEN s.total % 2 = 0 THEN 'even' ELSE 'odd' END
+                     OR a.arms IS DISTINCT FROM b.branch ->> 'arm'
+                     OR s.totals LIKE '%,%')
               LIMIT 5",
         )
         .await?,

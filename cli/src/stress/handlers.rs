@@ -15,7 +15,10 @@ pub const WORKFLOW: &str = "stress";
 pub const MEMBER_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// split (a step) -> member (a map, faults) -> left | right (a parallel block that
-/// records what it received) -> total (a step).
+/// records what it received) -> parity (a conditional branch on the parity of left's
+/// total: `even` or `odd`, a step each, passing the block's output on) -> total (a step).
+///
+/// Stages as numbered: split 0, member 1, checks 2, parity 3, even 4, odd 5, total 6.
 pub fn workflow() -> Workflow {
     let retry =
         RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
@@ -23,8 +26,17 @@ pub fn workflow() -> Workflow {
         .step("split")
         .stage(Stage::map("member").retry(retry).timeout(MEMBER_TIMEOUT))
         .stage(Stage::parallel("checks", ["left", "right"]).retry(retry))
+        .stage(
+            Stage::branch("parity")
+                .by("/outputs/left/parity")
+                .on("even", [Stage::step("even").retry(retry)])
+                .on("odd", [Stage::step("odd").retry(retry)]),
+        )
         .step("total")
 }
+
+/// The handlers of the stress workflow.
+pub const HANDLERS: [&str; 7] = ["split", "member", "left", "right", "even", "odd", "total"];
 
 /// Rates of the faults injected inside handlers (per attempt, except `exhaust`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, clap::Args)]
@@ -155,7 +167,14 @@ impl Context {
                 )
                 .await
                 .map_err(TaskError::retryable)?;
-                Ok(json!({"outputs": outputs.len(), "total": sum}))
+                let parity = if sum % 2 == 0 { "even" } else { "odd" };
+                Ok(json!({"outputs": outputs.len(), "total": sum, "parity": parity}))
+            }
+            // The arm taken says so, and passes the block's output on.
+            "even" | "odd" => {
+                let mut output = input.clone();
+                output["arm"] = json!(task.handler);
+                Ok(output)
             }
             "total" => Ok(input["outputs"]["left"]["total"].clone()),
             other => Err(TaskError::permanent(format!("no stress handler {other}"))),
@@ -186,7 +205,7 @@ impl Context {
 
     /// Registers every stress handler on a worker.
     pub fn install(&self, mut worker: WorkerBuilder) -> WorkerBuilder {
-        for name in ["split", "member", "left", "right", "total"] {
+        for name in HANDLERS {
             let ctx = self.clone();
             worker = worker.handler(WORKFLOW, name, move |t| {
                 let ctx = ctx.clone();

@@ -4,12 +4,23 @@
 //! ([`Engine::register`](crate::Engine::register)) and stored in the database, so that every
 //! execution stays pinned to the version it started with.
 
-use std::collections::HashSet;
+mod branch;
+mod plan;
+mod retry;
+mod validate;
+
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::fanin::FanInStrategy;
+
+pub(crate) use branch::{decide, Decision};
+pub use branch::{Arm, Branch, BranchChoice};
+pub(crate) use plan::Plan;
+pub use retry::RetryPolicy;
+pub use validate::DefinitionError;
 
 /// An ordered list of stages under a name and a version.
 ///
@@ -25,7 +36,7 @@ use crate::fanin::FanInStrategy;
 /// assert!(wf.validate().is_ok());
 /// assert!(Workflow::new("empty", 1).validate().is_err());
 /// ```
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Workflow {
     name: String,
     version: i32,
@@ -33,6 +44,18 @@ pub struct Workflow {
     /// Where to announce the end of its executions that name no callback of their own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     callback: Option<String>,
+    /// The stages numbered, built from `stages` when first asked for.
+    #[serde(skip)]
+    plan: OnceLock<Plan>,
+}
+
+impl PartialEq for Workflow {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.version == other.version
+            && self.stages == other.stages
+            && self.callback == other.callback
+    }
 }
 
 /// One stage: what runs, and how its members are retried and joined.
@@ -53,7 +76,7 @@ pub struct Stage {
 }
 
 /// What a stage runs.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum StageKind {
@@ -68,15 +91,28 @@ pub enum StageKind {
     /// Dynamic fan-out: one task per element of the previous output array (the execution
     /// input, for a first stage), all run by the handler named after the stage.
     Map,
+    /// A conditional branch ([`Stage::branch`]): runs no task; the value `by` selects in
+    /// the previous output picks the arm whose stages run next, or `otherwise`.
+    Branch {
+        /// A JSON pointer into the previous output (`""`: all of it).
+        #[serde(default)]
+        by: String,
+        /// The arms, in the order they are matched.
+        arms: Vec<Arm>,
+        /// The stages run when no arm matches (none: the execution fails).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        otherwise: Option<Vec<Stage>>,
+    },
 }
 
 impl StageKind {
-    /// The name stored in the database (`step`, `parallel`, `map`).
+    /// The name stored in the database (`step`, `parallel`, `map`, `branch`).
     pub fn as_str(&self) -> &'static str {
         match self {
             StageKind::Step => "step",
             StageKind::Parallel { .. } => "parallel",
             StageKind::Map => "map",
+            StageKind::Branch { .. } => "branch",
         }
     }
 }
@@ -95,66 +131,6 @@ pub enum OnMemberFailure {
     FailExecution,
 }
 
-/// How often and how late a failed attempt is retried.
-///
-/// The policy is copied onto every task row when the task is created, so it survives
-/// restarts and applies the same on every worker.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RetryPolicy {
-    /// Attempts in all, the first included (1 = no retry).
-    pub max_attempts: u32,
-    /// Delay before the second attempt, in milliseconds; doubled for each later attempt.
-    pub initial_backoff_ms: u64,
-    /// Upper bound of the delay, in milliseconds.
-    pub max_backoff_ms: u64,
-    /// Fraction of the delay drawn at random and taken off (0 = none, 1 = full jitter),
-    /// so that a burst of failures does not retry in lockstep.
-    pub jitter: f64,
-}
-
-impl Default for RetryPolicy {
-    /// Three attempts, 1 s then 2 s apart (at most 60 s), 20 % jitter.
-    fn default() -> Self {
-        RetryPolicy {
-            max_attempts: 3,
-            initial_backoff_ms: 1_000,
-            max_backoff_ms: 60_000,
-            jitter: 0.2,
-        }
-    }
-}
-
-impl RetryPolicy {
-    /// No retries: the first failure dead-letters the task.
-    pub fn none() -> Self {
-        RetryPolicy {
-            max_attempts: 1,
-            ..Self::default()
-        }
-    }
-
-    /// `max_attempts` attempts with the default exponential backoff.
-    pub fn exponential(max_attempts: u32) -> Self {
-        RetryPolicy {
-            max_attempts,
-            ..Self::default()
-        }
-    }
-
-    /// Sets the first delay and the cap of the exponential backoff.
-    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
-        self.initial_backoff_ms = duration_ms(initial);
-        self.max_backoff_ms = duration_ms(max);
-        self
-    }
-
-    /// Sets the jitter fraction, 0.0 to 1.0.
-    pub fn jitter(mut self, jitter: f64) -> Self {
-        self.jitter = jitter;
-        self
-    }
-}
-
 fn default_timeout_ms() -> u64 {
     300_000
 }
@@ -164,7 +140,7 @@ fn duration_ms(d: Duration) -> u64 {
 }
 
 impl Stage {
-    fn new(name: impl Into<String>, kind: StageKind) -> Self {
+    pub(crate) fn with_kind(name: impl Into<String>, kind: StageKind) -> Self {
         Stage {
             name: name.into(),
             kind,
@@ -178,7 +154,7 @@ impl Stage {
 
     /// A single task whose input is the previous stage's output.
     pub fn step(name: impl Into<String>) -> Self {
-        Self::new(name, StageKind::Step)
+        Self::with_kind(name, StageKind::Step)
     }
 
     /// A static parallel block with one task per branch.
@@ -188,12 +164,21 @@ impl Stage {
         S: Into<String>,
     {
         let branches = branches.into_iter().map(Into::into).collect();
-        Self::new(name, StageKind::Parallel { branches })
+        Self::with_kind(name, StageKind::Parallel { branches })
     }
 
     /// A dynamic map with one task per element of the previous output array.
     pub fn map(name: impl Into<String>) -> Self {
-        Self::new(name, StageKind::Map)
+        Self::with_kind(name, StageKind::Map)
+    }
+
+    /// A conditional branch: add arms with [`Branch::on`], a default with
+    /// [`Branch::otherwise`], and pick the value to match with [`Branch::by`]. Only the
+    /// chosen arm's tasks are created; the stage after the branch receives the output of
+    /// the arm's last stage. Retry, timeout and priority do not apply to a branch (it
+    /// runs no task); its arms' stages have their own.
+    pub fn branch(name: impl Into<String>) -> Branch {
+        Branch::new(name)
     }
 
     /// Sets the retry policy of this stage's tasks (default: [`RetryPolicy::default`]).
@@ -265,11 +250,13 @@ impl Stage {
             || self.on_member_failure == OnMemberFailure::FailExecution
     }
 
-    /// The handler names this stage needs: its own name, or its branch names.
+    /// The handler names this stage's own tasks need: its own name, or its parallel
+    /// branch names; none for a conditional branch (its arms' stages have their own).
     pub fn handler_names(&self) -> Vec<&str> {
         match &self.kind {
             StageKind::Parallel { branches } => branches.iter().map(String::as_str).collect(),
             StageKind::Step | StageKind::Map => vec![self.name.as_str()],
+            StageKind::Branch { .. } => Vec::new(),
         }
     }
 }
@@ -283,6 +270,7 @@ impl Workflow {
             version,
             stages: Vec::new(),
             callback: None,
+            plan: OnceLock::new(),
         }
     }
 
@@ -299,9 +287,10 @@ impl Workflow {
         self.callback.as_deref()
     }
 
-    /// Appends a stage built with [`Stage`]'s options.
-    pub fn stage(mut self, stage: Stage) -> Self {
-        self.stages.push(stage);
+    /// Appends a stage built with [`Stage`]'s options, or a [`Branch`].
+    pub fn stage(mut self, stage: impl Into<Stage>) -> Self {
+        self.stages.push(stage.into());
+        self.plan = OnceLock::new();
         self
     }
 
@@ -334,174 +323,37 @@ impl Workflow {
         self.version
     }
 
-    /// The stages, in order.
+    /// The top-level stages, in order (a branch's arms are inside it).
     pub fn stages(&self) -> &[Stage] {
         &self.stages
     }
 
-    /// Every handler name the workflow needs, in stage order.
+    /// The stage at `index` as groups, tasks and [`StageProgress`](crate::StageProgress)
+    /// number them: the position in [`stages`](Self::stages), except that the stages of a
+    /// branch's arms are numbered right after the branch, depth first, arm after arm (its
+    /// `otherwise` last), and the stages after the branch after all of them.
+    pub fn stage_at(&self, index: usize) -> Option<&Stage> {
+        self.plan().get(index).map(|s| &s.stage)
+    }
+
+    /// How many stages [`stage_at`](Self::stage_at) numbers: arms included.
+    pub fn stage_count(&self) -> usize {
+        self.plan().len()
+    }
+
+    /// The numbered stages.
+    pub(crate) fn plan(&self) -> &Plan {
+        self.plan.get_or_init(|| Plan::of(&self.stages))
+    }
+
+    /// Every handler name the workflow needs, in stage order, arms included.
     pub fn handler_names(&self) -> Vec<&str> {
-        self.stages.iter().flat_map(Stage::handler_names).collect()
+        self.plan()
+            .slots()
+            .iter()
+            .flat_map(|s| s.stage.handler_names())
+            .collect()
     }
-
-    /// Checks the definition; [`Engine::register`](crate::Engine::register) calls this.
-    ///
-    /// # Errors
-    /// The first problem found, as a [`DefinitionError`].
-    pub fn validate(&self) -> Result<(), DefinitionError> {
-        check_name(&self.name).map_err(|reason| DefinitionError::InvalidWorkflowName {
-            name: self.name.clone(),
-            reason,
-        })?;
-        if self.version <= 0 {
-            return Err(DefinitionError::InvalidVersion(self.version));
-        }
-        if self.stages.is_empty() {
-            return Err(DefinitionError::NoStages);
-        }
-        if let Some(url) = &self.callback {
-            crate::callback::check(url).map_err(|reason| DefinitionError::InvalidCallback {
-                url: url.clone(),
-                reason,
-            })?;
-        }
-        let mut stage_names = HashSet::new();
-        let mut handler_names = HashSet::new();
-        for (index, stage) in self.stages.iter().enumerate() {
-            check_name(&stage.name).map_err(|reason| DefinitionError::InvalidStageName {
-                index,
-                name: stage.name.clone(),
-                reason,
-            })?;
-            if !stage_names.insert(stage.name.as_str()) {
-                return Err(DefinitionError::DuplicateStage(stage.name.clone()));
-            }
-            if let StageKind::Parallel { branches } = &stage.kind {
-                if branches.is_empty() {
-                    return Err(DefinitionError::EmptyParallel(stage.name.clone()));
-                }
-                for branch in branches {
-                    check_name(branch).map_err(|reason| DefinitionError::InvalidBranchName {
-                        stage: stage.name.clone(),
-                        name: branch.clone(),
-                        reason,
-                    })?;
-                }
-            }
-            for handler in stage.handler_names() {
-                if !handler_names.insert(handler) {
-                    return Err(DefinitionError::DuplicateHandler(handler.to_owned()));
-                }
-            }
-            check_retry(&stage.retry).map_err(|reason| DefinitionError::InvalidRetryPolicy {
-                stage: stage.name.clone(),
-                reason,
-            })?;
-            if stage.timeout_ms == 0 || stage.timeout_ms > i64::MAX as u64 {
-                return Err(DefinitionError::InvalidTimeout(stage.name.clone()));
-            }
-        }
-        Ok(())
-    }
-}
-
-const MAX_NAME_LEN: usize = 200;
-
-fn check_name(name: &str) -> Result<(), &'static str> {
-    if name.trim().is_empty() {
-        Err("it is empty")
-    } else if name.trim() != name {
-        Err("it has leading or trailing white space")
-    } else if name.len() > MAX_NAME_LEN {
-        Err("it is longer than 200 bytes")
-    } else if name.chars().any(char::is_control) {
-        Err("it contains control characters")
-    } else {
-        Ok(())
-    }
-}
-
-fn check_retry(policy: &RetryPolicy) -> Result<(), &'static str> {
-    if policy.max_attempts == 0 || policy.max_attempts > i32::MAX as u32 {
-        Err("max_attempts must be at least 1")
-    } else if policy.initial_backoff_ms > policy.max_backoff_ms {
-        Err("the initial backoff exceeds the maximum backoff")
-    } else if policy.max_backoff_ms > i64::MAX as u64 {
-        Err("the maximum backoff is too large")
-    } else if !(0.0..=1.0).contains(&policy.jitter) {
-        Err("jitter must be between 0.0 and 1.0")
-    } else {
-        Ok(())
-    }
-}
-
-/// Why a workflow definition was rejected.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DefinitionError {
-    /// The callback URL is unusable.
-    #[error("callback URL {url:?} is invalid: {reason}")]
-    InvalidCallback {
-        /// The URL given.
-        url: String,
-        /// Why it is refused.
-        reason: &'static str,
-    },
-    /// The workflow name is unusable.
-    #[error("workflow name {name:?} is invalid: {reason}")]
-    InvalidWorkflowName {
-        /// The name given.
-        name: String,
-        /// Why it is refused.
-        reason: &'static str,
-    },
-    /// Versions start at 1.
-    #[error("workflow version must be positive, got {0}")]
-    InvalidVersion(i32),
-    /// A workflow needs at least one stage.
-    #[error("the workflow has no stages")]
-    NoStages,
-    /// A stage name is unusable.
-    #[error("stage {index} name {name:?} is invalid: {reason}")]
-    InvalidStageName {
-        /// Position of the stage.
-        index: usize,
-        /// The name given.
-        name: String,
-        /// Why it is refused.
-        reason: &'static str,
-    },
-    /// Two stages share a name.
-    #[error("stage name {0:?} is used twice")]
-    DuplicateStage(String),
-    /// A parallel stage without branches.
-    #[error("parallel stage {0:?} has no branches")]
-    EmptyParallel(String),
-    /// A branch name is unusable.
-    #[error("branch {name:?} of stage {stage:?} is invalid: {reason}")]
-    InvalidBranchName {
-        /// The stage.
-        stage: String,
-        /// The name given.
-        name: String,
-        /// Why it is refused.
-        reason: &'static str,
-    },
-    /// Handlers are looked up by name: stage names of steps and maps and branch names
-    /// must all differ.
-    #[error("handler name {0:?} is used twice (step, map and branch names must be unique)")]
-    DuplicateHandler(String),
-    /// A retry policy that cannot work.
-    #[error("retry policy of stage {stage:?} is invalid: {reason}")]
-    InvalidRetryPolicy {
-        /// The stage.
-        stage: String,
-        /// Why it is refused.
-        reason: &'static str,
-    },
-    /// A zero or overflowing timeout.
-    #[error("timeout of stage {0:?} must be positive")]
-    InvalidTimeout(String),
 }
 
 #[cfg(test)]
@@ -552,6 +404,39 @@ mod tests {
                 Workflow::new("w", 1).stage(Stage::step("a").timeout(Duration::ZERO)),
                 |e| matches!(e, DefinitionError::InvalidTimeout(_)),
             ),
+            (
+                Workflow::new("w", 1).stage(Stage::branch("b")),
+                |e| matches!(e, DefinitionError::EmptyBranch(n) if n == "b"),
+            ),
+            (
+                Workflow::new("w", 1).stage(
+                    Stage::branch("b")
+                        .on("x", [Stage::step("s")])
+                        .on("x", [Stage::step("t")]),
+                ),
+                |e| matches!(e, DefinitionError::InvalidArm { when, .. } if when == "x"),
+            ),
+            (
+                Workflow::new("w", 1)
+                    .stage(Stage::branch("b").by("method").on("x", [Stage::step("s")])),
+                |e| matches!(e, DefinitionError::InvalidBranchPointer { .. }),
+            ),
+            // Names are unique across arms and the rest of the workflow...
+            (
+                Workflow::new("w", 1)
+                    .step("s")
+                    .stage(Stage::branch("b").on("x", [Stage::step("s")])),
+                |e| matches!(e, DefinitionError::DuplicateStage(n) if n == "s"),
+            ),
+            // ...and stages inside arms are checked like any other.
+            (
+                Workflow::new("w", 1).stage(
+                    Stage::branch("b")
+                        .on("x", Vec::<Stage>::new())
+                        .otherwise([Stage::step("t").retry(RetryPolicy::exponential(0))]),
+                ),
+                |e| matches!(e, DefinitionError::InvalidRetryPolicy { stage, .. } if stage == "t"),
+            ),
         ];
         for (wf, expected) in cases {
             let err = wf.validate().expect_err("definition should be rejected");
@@ -577,5 +462,31 @@ mod tests {
         assert!(wf.stages()[0].fails_execution_on_member_failure());
         assert!(wf.stages()[1].fails_execution_on_member_failure());
         assert!(!wf.stages()[2].fails_execution_on_member_failure());
+    }
+
+    #[test]
+    fn a_branch_round_trips_and_its_arms_handlers_are_the_workflows() {
+        let wf = Workflow::new("pay", 1)
+            .step("classify")
+            .stage(
+                Stage::branch("route")
+                    .by("/method")
+                    .on("card", [Stage::step("charge").priority(3)])
+                    .on("free", Vec::<Stage>::new())
+                    .otherwise([Stage::parallel("review", ["ops", "risk"])]),
+            )
+            .step("receipt");
+        wf.validate().unwrap();
+        let json = serde_json::to_value(&wf).unwrap();
+        assert_eq!(json["stages"][1]["kind"]["kind"], "branch");
+        let back: Workflow = serde_json::from_value(json).unwrap();
+        assert_eq!(wf, back);
+        assert_eq!(back.stage_count(), 5);
+        assert_eq!(back.stage_at(2).unwrap().name(), "charge");
+        assert_eq!(back.stage_at(4).unwrap().name(), "receipt");
+        assert_eq!(
+            wf.handler_names(),
+            ["classify", "charge", "ops", "risk", "receipt"]
+        );
     }
 }

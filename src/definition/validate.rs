@@ -1,0 +1,223 @@
+//! Checking a definition before it is registered.
+
+use std::collections::HashSet;
+
+use super::{Arm, RetryPolicy, StageKind, Workflow};
+
+impl Workflow {
+    /// Checks the definition; [`Engine::register`](crate::Engine::register) calls this.
+    ///
+    /// # Errors
+    /// The first problem found, as a [`DefinitionError`].
+    pub fn validate(&self) -> Result<(), DefinitionError> {
+        check_name(&self.name).map_err(|reason| DefinitionError::InvalidWorkflowName {
+            name: self.name.clone(),
+            reason,
+        })?;
+        if self.version <= 0 {
+            return Err(DefinitionError::InvalidVersion(self.version));
+        }
+        if self.stages.is_empty() {
+            return Err(DefinitionError::NoStages);
+        }
+        if let Some(url) = &self.callback {
+            crate::callback::check(url).map_err(|reason| DefinitionError::InvalidCallback {
+                url: url.clone(),
+                reason,
+            })?;
+        }
+        let mut stage_names = HashSet::new();
+        let mut handler_names = HashSet::new();
+        for (index, slot) in self.plan().slots().iter().enumerate() {
+            let stage = &slot.stage;
+            check_name(&stage.name).map_err(|reason| DefinitionError::InvalidStageName {
+                index,
+                name: stage.name.clone(),
+                reason,
+            })?;
+            if !stage_names.insert(stage.name.as_str()) {
+                return Err(DefinitionError::DuplicateStage(stage.name.clone()));
+            }
+            if let StageKind::Parallel { branches } = &stage.kind {
+                if branches.is_empty() {
+                    return Err(DefinitionError::EmptyParallel(stage.name.clone()));
+                }
+                for branch in branches {
+                    check_name(branch).map_err(|reason| DefinitionError::InvalidBranchName {
+                        stage: stage.name.clone(),
+                        name: branch.clone(),
+                        reason,
+                    })?;
+                }
+            }
+            if let StageKind::Branch { by, arms, .. } = &stage.kind {
+                check_branch(&stage.name, by, arms)?;
+            }
+            for handler in stage.handler_names() {
+                if !handler_names.insert(handler) {
+                    return Err(DefinitionError::DuplicateHandler(handler.to_owned()));
+                }
+            }
+            check_retry(&stage.retry).map_err(|reason| DefinitionError::InvalidRetryPolicy {
+                stage: stage.name.clone(),
+                reason,
+            })?;
+            if stage.timeout_ms == 0 || stage.timeout_ms > i64::MAX as u64 {
+                return Err(DefinitionError::InvalidTimeout(stage.name.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+const MAX_NAME_LEN: usize = 200;
+
+fn check_name(name: &str) -> Result<(), &'static str> {
+    if name.trim().is_empty() {
+        Err("it is empty")
+    } else if name.trim() != name {
+        Err("it has leading or trailing white space")
+    } else if name.len() > MAX_NAME_LEN {
+        Err("it is longer than 200 bytes")
+    } else if name.chars().any(char::is_control) {
+        Err("it contains control characters")
+    } else {
+        Ok(())
+    }
+}
+
+/// A branch needs arms with distinct values, and a pointer that can select a value.
+fn check_branch(stage: &str, by: &str, arms: &[Arm]) -> Result<(), DefinitionError> {
+    if !(by.is_empty() || by.starts_with('/')) {
+        return Err(DefinitionError::InvalidBranchPointer {
+            stage: stage.to_owned(),
+            pointer: by.to_owned(),
+        });
+    }
+    if arms.is_empty() {
+        return Err(DefinitionError::EmptyBranch(stage.to_owned()));
+    }
+    let mut seen = HashSet::new();
+    for arm in arms {
+        let reason = if arm.when.len() > MAX_NAME_LEN {
+            "it is longer than 200 bytes"
+        } else if !seen.insert(arm.when.as_str()) {
+            "another arm matches the same value"
+        } else {
+            continue;
+        };
+        return Err(DefinitionError::InvalidArm {
+            stage: stage.to_owned(),
+            when: arm.when.clone(),
+            reason,
+        });
+    }
+    Ok(())
+}
+
+fn check_retry(policy: &RetryPolicy) -> Result<(), &'static str> {
+    if policy.max_attempts == 0 || policy.max_attempts > i32::MAX as u32 {
+        Err("max_attempts must be at least 1")
+    } else if policy.initial_backoff_ms > policy.max_backoff_ms {
+        Err("the initial backoff exceeds the maximum backoff")
+    } else if policy.max_backoff_ms > i64::MAX as u64 {
+        Err("the maximum backoff is too large")
+    } else if !(0.0..=1.0).contains(&policy.jitter) {
+        Err("jitter must be between 0.0 and 1.0")
+    } else {
+        Ok(())
+    }
+}
+
+/// Why a workflow definition was rejected.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DefinitionError {
+    /// The callback URL is unusable.
+    #[error("callback URL {url:?} is invalid: {reason}")]
+    InvalidCallback {
+        /// The URL given.
+        url: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// The workflow name is unusable.
+    #[error("workflow name {name:?} is invalid: {reason}")]
+    InvalidWorkflowName {
+        /// The name given.
+        name: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// Versions start at 1.
+    #[error("workflow version must be positive, got {0}")]
+    InvalidVersion(i32),
+    /// A workflow needs at least one stage.
+    #[error("the workflow has no stages")]
+    NoStages,
+    /// A stage name is unusable.
+    #[error("stage {index} name {name:?} is invalid: {reason}")]
+    InvalidStageName {
+        /// Position of the stage.
+        index: usize,
+        /// The name given.
+        name: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// Two stages share a name.
+    #[error("stage name {0:?} is used twice")]
+    DuplicateStage(String),
+    /// A parallel stage without branches.
+    #[error("parallel stage {0:?} has no branches")]
+    EmptyParallel(String),
+    /// A branch name is unusable.
+    #[error("branch {name:?} of stage {stage:?} is invalid: {reason}")]
+    InvalidBranchName {
+        /// The stage.
+        stage: String,
+        /// The name given.
+        name: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// Handlers are looked up by name: stage names of steps and maps and branch names
+    /// must all differ.
+    #[error("handler name {0:?} is used twice (step, map and branch names must be unique)")]
+    DuplicateHandler(String),
+    /// A retry policy that cannot work.
+    #[error("retry policy of stage {stage:?} is invalid: {reason}")]
+    InvalidRetryPolicy {
+        /// The stage.
+        stage: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A zero or overflowing timeout.
+    #[error("timeout of stage {0:?} must be positive")]
+    InvalidTimeout(String),
+    /// A branch stage without arms.
+    #[error("branch stage {0:?} has no arms: add one with `.on(value, stages)`")]
+    EmptyBranch(String),
+    /// A branch's pointer is not a JSON pointer.
+    #[error(
+        "branch stage {stage:?} selects with {pointer:?}, which is not a JSON pointer: use \"\" \
+         for the whole previous output, or a path such as \"/method\""
+    )]
+    InvalidBranchPointer {
+        /// The stage.
+        stage: String,
+        /// The pointer given.
+        pointer: String,
+    },
+    /// A branch's arm is unusable.
+    #[error("arm {when:?} of branch stage {stage:?} is invalid: {reason}")]
+    InvalidArm {
+        /// The stage.
+        stage: String,
+        /// The arm's value.
+        when: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+}
