@@ -11,7 +11,8 @@ use crate::engine::Engine;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
-use crate::store::{executions, fan_in, groups, groups::MemberSource};
+use crate::store::groups::{MemberSource, Wake};
+use crate::store::{executions, fan_in, groups};
 
 /// The group whose output a stage receives: its id, kind and stage index.
 #[derive(Clone, Copy, Debug)]
@@ -66,10 +67,11 @@ pub(crate) async fn fire_many(
             .definition(&mut *conn, &row.workflow_name, row.workflow_version)
             .await?;
         let index = stage_of[&row.group_id] as usize;
+        let input = input_after(conn, &workflow, row.group_id, index).await?;
         let Some(next) = workflow.plan().next(index) else {
             completed.push(row.execution_id);
             stages.push(workflow.stage_count() as i32);
-            outputs.push(row.group_id);
+            outputs.push(input.map_or(row.group_id, |i| i.group));
             continue;
         };
         let entered = enter(
@@ -77,7 +79,7 @@ pub(crate) async fn fire_many(
             row.execution_id,
             &workflow,
             Some(next),
-            Some(input_of(&workflow, row.group_id, index)),
+            input,
             row.fan_in.parse()?,
         )
         .await?;
@@ -127,37 +129,64 @@ async fn transition(
         )
         .await?;
     let index = stage_index as usize;
+    let input = input_after(conn, &workflow, group_id, index).await?;
     enter(
         conn,
         execution_id,
         &workflow,
         workflow.plan().next(index),
-        Some(input_of(&workflow, group_id, index)),
+        input,
         execution.fan_in.parse()?,
     )
     .await?;
     Ok(true)
 }
 
-/// The output of stage `index`'s group, as the input of what comes next.
-fn input_of(workflow: &Workflow, group: GroupId, index: usize) -> Input {
-    let kind = workflow
-        .stage_at(index)
-        .map_or("step", |s| s.kind().as_str());
-    Input {
-        group,
-        kind,
-        stage: index as i32,
+/// What comes after stage `index`'s group receives: the group's output, or, after a
+/// sleep, what the sleep received (`None`: the execution input).
+async fn input_after(
+    conn: &mut PgConnection,
+    workflow: &Workflow,
+    group: GroupId,
+    index: usize,
+) -> Result<Option<Input>> {
+    let kind = workflow.stage_at(index).map(|s| s.kind());
+    if !matches!(kind, Some(StageKind::Sleep { .. })) {
+        return Ok(Some(Input {
+            group,
+            kind: kind.map_or("step", StageKind::as_str),
+            stage: index as i32,
+        }));
+    }
+    Ok(groups::input_group(conn, group)
+        .await?
+        .map(|(group, kind, stage)| Input {
+            group,
+            kind: stored_kind(&kind),
+            stage,
+        }))
+}
+
+/// A kind as stored on a group, as [`StageKind::as_str`] names it.
+fn stored_kind(kind: &str) -> &'static str {
+    match kind {
+        "parallel" => "parallel",
+        "map" => "map",
+        "branch" => "branch",
+        "sleep" => "sleep",
+        _ => "step",
     }
 }
 
 /// Enters stage `index` of the plan (`None`: past the end), fed by `input` (`None`: the
 /// execution input). Its group uses the stage's fan-in strategy, else `default_fan_in`.
-/// A branch records its choice and goes on to its arm's first stage; a stage with no
+/// A branch records its choice and goes on to its arm's first stage; a sleep's task is due
+/// at its wake time; a stage with no
 /// members (an empty map) fires at once, and the execution goes on to what follows it;
 /// past the end the execution completes; all in the caller's transaction. An unmatched
-/// branch without `otherwise`, or a map whose input (reached through a branch) is not an
-/// array it can take, fails the execution with the reason recorded on it. Returns the
+/// branch without `otherwise`, a sleep whose input holds no time, or a map whose input
+/// (reached through a branch or a sleep) is not an array it can take, fails the execution
+/// with the reason recorded on it. Returns the
 /// group of the stage it entered with members (`None`: the execution ended).
 pub(crate) async fn enter(
     conn: &mut PgConnection,
@@ -223,10 +252,24 @@ pub(crate) async fn enter(
             (StageKind::Map, None) => MemberSource::ExecutionInput,
             (StageKind::Map, Some(i)) if i.kind == "step" => MemberSource::StepOutput(i.group),
             (StageKind::Map, Some(i)) => MemberSource::GroupOutputs(i.group),
+            (StageKind::Sleep { for_ms, until }, _) => {
+                match wake(conn, execution_id, stage.name(), *for_ms, until, input).await? {
+                    Ok(wake) => MemberSource::Timer(wake),
+                    Err(error) => {
+                        executions::stop(conn, execution_id, "failed", Some(&error)).await?;
+                        return Ok(None);
+                    }
+                }
+            }
             _ => MemberSource::Handlers,
         };
-        if branch_group.is_some() {
-            // Neither `start` nor the step's acknowledgement knew this map came next.
+        // `start` and a step's acknowledgement check a map's input when the map comes
+        // right after them; through a branch or a sleep nothing did: check it here.
+        let checked = match input {
+            Some(i) => i.kind == "step" && workflow.plan().next(i.stage as usize) == Some(at),
+            None => at == 0,
+        };
+        if !checked {
             if let Some(error) =
                 groups::unmappable(conn, execution_id, stage.name(), source).await?
             {
@@ -259,6 +302,42 @@ pub(crate) async fn enter(
     }
 }
 
+/// When the sleep `stage` wakes: `for_ms` after now, or at the time `until` selects in
+/// its input; `Err` with the reason the execution fails when that is not a time.
+async fn wake(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    stage: &str,
+    for_ms: Option<u64>,
+    until: &Option<String>,
+    input: Option<Input>,
+) -> Result<std::result::Result<Wake, String>> {
+    let Some(pointer) = until else {
+        let ms = i64::try_from(for_ms.unwrap_or(0)).unwrap_or(i64::MAX);
+        return Ok(Ok(Wake::After(ms)));
+    };
+    let value = match input {
+        Some(i) => groups::output(&mut *conn, i.group).await?,
+        None => executions::input(&mut *conn, execution_id).await?,
+    };
+    let selected = value.pointer(pointer);
+    Ok(match selected.and_then(|v| v.as_str()) {
+        Some(text) => match chrono::DateTime::parse_from_rfc3339(text) {
+            Ok(at) => Ok(Wake::At(at.with_timezone(&chrono::Utc))),
+            Err(e) => Err(format!(
+                "sleep stage {stage:?} found {text:?} at {pointer:?}, which is not an RFC 3339 \
+                 time ({e}): make the stage before it return one, such as \
+                 \"2027-01-31T09:00:00Z\""
+            )),
+        },
+        None => Err(format!(
+            "sleep stage {stage:?} found {} at {pointer:?} in its input, where it needs an \
+             RFC 3339 time such as \"2027-01-31T09:00:00Z\"",
+            selected.map_or("nothing".to_owned(), |v| v.to_string())
+        )),
+    })
+}
+
 /// Enters the first stage of many new executions of `workflow` (the caller's
 /// transaction created them): a step or parallel first stage in one statement for all of
 /// them; a map (whose members come from each input, and which may be empty and advance
@@ -275,7 +354,7 @@ pub(crate) async fn enter_first_stage_many(
     }
     let stage = &workflow.stages()[0];
     let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
-    if matches!(stage.kind(), StageKind::Map | StageKind::Branch { .. })
+    if !matches!(stage.kind(), StageKind::Step | StageKind::Parallel { .. })
         || fan_in == FanInStrategy::Striped
     {
         for &id in executions {

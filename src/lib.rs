@@ -4,7 +4,9 @@
 //!
 //! A workflow is a list of stages run in order: a [`step`](Workflow::step) (one task), a
 //! static [`parallel`](Workflow::parallel) block, or a dynamic [`map`](Workflow::map) (one
-//! task per element of the previous output, 0 to 100 000 of them). Workers claim tasks
+//! task per element of the previous output, 0 to 100 000 of them); a conditional
+//! [`branch`](Stage::branch) picks which stages run next from the previous output, and a
+//! durable [`sleep`](Stage::sleep) waits in the database. Workers claim tasks
 //! with `FOR UPDATE SKIP LOCKED`, run async handlers under a renewed lease, retry with
 //! backoff and dead-letter what keeps failing.
 //!

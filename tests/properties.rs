@@ -28,6 +28,8 @@ enum Shape {
     /// non-empty array) runs a map `y` over that array; anything else (an empty array, a
     /// block's output) runs `otherwise`, a step `x`. Numbered: the branch, `y`, `x`.
     Branch,
+    /// A sleep of a few milliseconds: what follows receives what it received.
+    Sleep,
 }
 
 #[derive(Debug, Clone)]
@@ -76,6 +78,7 @@ impl Case {
                         .otherwise([arm(Stage::step(format!("s{}x", i + 1)))])
                         .into()
                 }
+                Shape::Sleep => Stage::sleep(format!("s{}", i + 1), Duration::from_millis(3)),
             };
             wf = wf.stage(stage.retry(retry).fan_in(self.strategy));
         }
@@ -157,6 +160,8 @@ impl Case {
                     .collect();
                 model.last = json!(model.elements);
             }
+            // Its one task may fail for good like a step's; otherwise nothing changes.
+            Shape::Sleep => return !self.dead(index, 0),
             Shape::Branch => unreachable!("a branch runs one of its arms' stages"),
         }
         model.step = shape == Shape::Step;
@@ -202,7 +207,8 @@ fn case() -> impl Strategy<Value = Case> {
         Just(Shape::Step),
         (1u8..=4).prop_map(Shape::Parallel),
         Just(Shape::Map),
-        Just(Shape::Branch)
+        Just(Shape::Branch),
+        Just(Shape::Sleep)
     ];
     (
         0usize..64,

@@ -103,7 +103,21 @@ pub enum StageKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         otherwise: Option<Vec<Stage>>,
     },
+    /// A durable sleep ([`Stage::sleep`], [`Stage::sleep_until`]): one task due at the wake
+    /// time, run by the worker itself; the next stage receives what the sleep received.
+    Sleep {
+        /// Sleep this long from entering the stage, in milliseconds...
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        for_ms: Option<u64>,
+        /// ...or until the RFC 3339 time this JSON pointer selects in the previous output.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        until: Option<String>,
+    },
 }
+
+/// The handler of a sleep's task, run by every worker that serves the workflow (a name no
+/// stage can take: names starting with `confluo:` are reserved).
+pub(crate) const SLEEP_HANDLER: &str = "confluo:sleep";
 
 impl StageKind {
     /// The name stored in the database (`step`, `parallel`, `map`, `branch`).
@@ -113,6 +127,7 @@ impl StageKind {
             StageKind::Parallel { .. } => "parallel",
             StageKind::Map => "map",
             StageKind::Branch { .. } => "branch",
+            StageKind::Sleep { .. } => "sleep",
         }
     }
 }
@@ -181,6 +196,34 @@ impl Stage {
         Branch::new(name)
     }
 
+    /// A durable sleep of `duration` from the moment the stage is entered: a task due then,
+    /// in the database, so it survives restarts of every process; workers wake it (within
+    /// their [`poll_interval`](crate::WorkerBuilder::poll_interval)) with a handler of their
+    /// own, none to register. The next stage receives what the sleep received.
+    pub fn sleep(name: impl Into<String>, duration: Duration) -> Self {
+        Self::with_kind(
+            name,
+            StageKind::Sleep {
+                for_ms: Some(duration_ms(duration)),
+                until: None,
+            },
+        )
+    }
+
+    /// A durable sleep until the time that the JSON pointer `until` selects in the previous
+    /// output (an RFC 3339 string such as `"2027-01-31T09:00:00Z"`; `""`: the whole
+    /// output). A time in the past wakes at once; a missing or unreadable value fails the
+    /// execution, saying what was found. Otherwise as [`sleep`](Self::sleep).
+    pub fn sleep_until(name: impl Into<String>, until: impl Into<String>) -> Self {
+        Self::with_kind(
+            name,
+            StageKind::Sleep {
+                for_ms: None,
+                until: Some(until.into()),
+            },
+        )
+    }
+
     /// Sets the retry policy of this stage's tasks (default: [`RetryPolicy::default`]).
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
@@ -244,19 +287,21 @@ impl Stage {
         self.priority
     }
 
-    /// Whether a dead-lettered member fails the execution (always true for a step).
+    /// Whether a dead-lettered member fails the execution (always true for a step and a
+    /// sleep).
     pub fn fails_execution_on_member_failure(&self) -> bool {
-        matches!(self.kind, StageKind::Step)
+        matches!(self.kind, StageKind::Step | StageKind::Sleep { .. })
             || self.on_member_failure == OnMemberFailure::FailExecution
     }
 
     /// The handler names this stage's own tasks need: its own name, or its parallel
-    /// branch names; none for a conditional branch (its arms' stages have their own).
+    /// branch names; none for a conditional branch (its arms' stages have their own) or a
+    /// sleep (workers run it themselves).
     pub fn handler_names(&self) -> Vec<&str> {
         match &self.kind {
             StageKind::Parallel { branches } => branches.iter().map(String::as_str).collect(),
             StageKind::Step | StageKind::Map => vec![self.name.as_str()],
-            StageKind::Branch { .. } => Vec::new(),
+            StageKind::Branch { .. } | StageKind::Sleep { .. } => Vec::new(),
         }
     }
 }
@@ -344,6 +389,14 @@ impl Workflow {
     /// The numbered stages.
     pub(crate) fn plan(&self) -> &Plan {
         self.plan.get_or_init(|| Plan::of(&self.stages))
+    }
+
+    /// Whether a stage of it, arms included, is a sleep.
+    pub(crate) fn has_sleep(&self) -> bool {
+        self.plan()
+            .slots()
+            .iter()
+            .any(|s| matches!(s.stage.kind(), StageKind::Sleep { .. }))
     }
 
     /// Every handler name the workflow needs, in stage order, arms included.

@@ -50,8 +50,17 @@ impl Workflow {
                     })?;
                 }
             }
-            if let StageKind::Branch { by, arms, .. } = &stage.kind {
-                check_branch(&stage.name, by, arms)?;
+            if stage.name.starts_with("confluo:") {
+                return Err(DefinitionError::InvalidStageName {
+                    index,
+                    name: stage.name.clone(),
+                    reason: "names starting with \"confluo:\" are reserved",
+                });
+            }
+            match &stage.kind {
+                StageKind::Branch { by, arms, .. } => check_branch(&stage.name, by, arms)?,
+                StageKind::Sleep { for_ms, until } => check_sleep(&stage.name, *for_ms, until)?,
+                _ => {}
             }
             for handler in stage.handler_names() {
                 if !handler_names.insert(handler) {
@@ -113,6 +122,27 @@ fn check_branch(stage: &str, by: &str, arms: &[Arm]) -> Result<(), DefinitionErr
         });
     }
     Ok(())
+}
+
+/// A sleep needs one wake time: a duration PostgreSQL can add, or a JSON pointer.
+fn check_sleep(
+    stage: &str,
+    for_ms: Option<u64>,
+    until: &Option<String>,
+) -> Result<(), DefinitionError> {
+    let reason = match (for_ms, until) {
+        (Some(ms), None) if ms <= i64::MAX as u64 => return Ok(()),
+        (None, Some(p)) if p.is_empty() || p.starts_with('/') => return Ok(()),
+        (Some(_), None) => "the duration is too large",
+        (None, Some(_)) => "`until` is not a JSON pointer (\"\" or a path such as \"/due\")",
+        _ => {
+            "it needs exactly one of a duration (`Stage::sleep`) and `until` (`Stage::sleep_until`)"
+        }
+    };
+    Err(DefinitionError::InvalidSleep {
+        stage: stage.to_owned(),
+        reason,
+    })
 }
 
 fn check_retry(policy: &RetryPolicy) -> Result<(), &'static str> {
@@ -209,6 +239,14 @@ pub enum DefinitionError {
         stage: String,
         /// The pointer given.
         pointer: String,
+    },
+    /// A sleep stage without a usable wake time.
+    #[error("sleep stage {stage:?} is invalid: {reason}")]
+    InvalidSleep {
+        /// The stage.
+        stage: String,
+        /// Why it is refused.
+        reason: &'static str,
     },
     /// A branch's arm is unusable.
     #[error("arm {when:?} of branch stage {stage:?} is invalid: {reason}")]

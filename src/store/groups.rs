@@ -20,6 +20,17 @@ pub(crate) enum MemberSource {
     StepOutput(GroupId),
     /// One member per successful output of a parallel or map group, in item order.
     GroupOutputs(GroupId),
+    /// A sleep's one task, run by the workers' own handler, due at `Wake`.
+    Timer(Wake),
+}
+
+/// When a sleep's task is due.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Wake {
+    /// This many milliseconds after the transaction's start (the database's clock).
+    After(i64),
+    /// At this time.
+    At(chrono::DateTime<chrono::Utc>),
 }
 
 /// A striped group has one stripe per this many members...
@@ -80,6 +91,10 @@ pub(crate) async fn create_stage(
                FROM confluo.task p
               WHERE p.group_id = $14::uuid AND p.status = 'completed'"
         }
+        // Its input is not read: the stage after the sleep reads the sleep's input stage.
+        MemberSource::Timer(_) => {
+            "SELECT $14::text AS handler, 'null'::jsonb AS input, 1::int8 AS ord"
+        }
     };
     let sql = format!(
         "WITH src AS MATERIALIZED ({source_sql}),
@@ -113,9 +128,10 @@ pub(crate) async fn create_stage(
             INSERT INTO confluo.task
                    (id, execution_id, group_id, workflow_name, workflow_version, stage_index,
                     handler, item_index, input, priority, max_attempts, backoff_base_ms,
-                    backoff_max_ms, backoff_jitter, timeout_ms)
+                    backoff_max_ms, backoff_jitter, timeout_ms, run_at)
             SELECT gen_random_uuid(), $2, $1, $6, $7, $3, src.handler, (src.ord - 1)::int,
-                   src.input, $8, $9, $10, $11, $12, $13
+                   src.input, $8, $9, $10, $11, $12, $13,
+                   COALESCE($22, now() + COALESCE($21, 0) * interval '1 millisecond')
               FROM src
          )
          SELECT g.width FROM g
@@ -141,6 +157,7 @@ pub(crate) async fn create_stage(
         MemberSource::Handlers => query.bind(stage.handler_names()),
         MemberSource::ExecutionInput => query.bind(None::<GroupId>),
         MemberSource::StepOutput(g) | MemberSource::GroupOutputs(g) => query.bind(g),
+        MemberSource::Timer(_) => query.bind(crate::definition::SLEEP_HANDLER.to_owned()),
     };
     let query = query
         .bind(fan_in.as_str())
@@ -149,7 +166,12 @@ pub(crate) async fn create_stage(
         .bind(crate::store::TASKS_CHANNEL)
         .bind(STRIPE_RUN)
         .bind(input_stage);
-    Ok(query.fetch_one(conn).await?)
+    let (after, at) = match source {
+        MemberSource::Timer(Wake::After(ms)) => (Some(ms), None),
+        MemberSource::Timer(Wake::At(at)) => (None, Some(at)),
+        _ => (None, None),
+    };
+    Ok(query.bind(after).bind(at).fetch_one(conn).await?)
 }
 
 /// Records a branch's choice as a group of width 0, fired at once (a branch runs no task),
@@ -243,9 +265,10 @@ pub(crate) async fn create_first_stages(
 
 /// The output of a group as the next stage sees it: a step's own output; for a map
 /// `{"outputs": [..successful outputs in item order..], "failed": [..]}`; for a parallel
-/// block `{"outputs": {branch: output}, "failed": [..]}`; for a conditional branch (the
-/// output of an execution whose first stage is a branch that took an empty arm, the only
-/// time a branch's group is read), the execution input. One statement over the groups
+/// block `{"outputs": {branch: output}, "failed": [..]}`; for a conditional branch or a
+/// sleep, which pass their input on, the execution input (a branch's or a sleep's group
+/// is read only as the output of an execution that ran nothing else: a first-stage
+/// branch that took an empty arm, a sleep in first place). One statement over the groups
 /// that `group_filter` selects (as `g`).
 fn output_sql(group_filter: &str) -> String {
     format!(
@@ -279,8 +302,8 @@ pub(crate) fn output_expression() -> String {
                                         FILTER (WHERE t.status = 'completed'), '{{}}'::json),
                     'failed', {})
                   FROM confluo.task_all t WHERE t.group_id = g.id)
-            WHEN 'branch' THEN (
-                SELECT x.input::json FROM confluo.execution x WHERE x.id = g.execution_id)
+            WHEN 'branch' THEN ({execution_input})
+            WHEN 'sleep' THEN ({execution_input})
             ELSE (
                 SELECT json_build_object(
                     'outputs', COALESCE(json_agg(t.output ORDER BY t.item_index)
@@ -289,7 +312,9 @@ pub(crate) fn output_expression() -> String {
                   FROM confluo.task_all t WHERE t.group_id = g.id)
             END",
         failed("t.handler"),
-        failed("NULL")
+        failed("NULL"),
+        execution_input =
+            "SELECT x.input::json FROM confluo.execution x WHERE x.id = g.execution_id"
     )
 }
 
@@ -304,7 +329,9 @@ pub(crate) async fn unmappable(
     source: MemberSource,
 ) -> Result<Option<String>> {
     let shape: Option<(String, Option<i32>)> = match source {
-        MemberSource::Handlers | MemberSource::GroupOutputs(_) => return Ok(None),
+        MemberSource::Handlers | MemberSource::GroupOutputs(_) | MemberSource::Timer(_) => {
+            return Ok(None)
+        }
         MemberSource::ExecutionInput => {
             super::query_as(
                 "SELECT jsonb_typeof(input),
@@ -339,6 +366,26 @@ pub(crate) async fn unmappable(
         )),
         None => Some(format!("map stage {stage:?} found no input")),
     })
+}
+
+/// The group whose output group `group_id` received as its input: its id, kind and stage
+/// index (`None`: the execution input).
+pub(crate) async fn input_group(
+    conn: &mut PgConnection,
+    group_id: GroupId,
+) -> Result<Option<(GroupId, String, i32)>> {
+    let sql = format!(
+        "SELECT p.id, p.kind, p.stage_index
+           FROM confluo.stage_group g
+           JOIN confluo.stage_group p
+             ON p.execution_id = g.execution_id AND p.stage_index = {}
+          WHERE g.id = $1",
+        input_stage_of("g")
+    );
+    Ok(super::query_as(&sql)
+        .bind(group_id)
+        .fetch_optional(conn)
+        .await?)
 }
 
 /// The output of one group.

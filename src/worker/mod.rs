@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::claimed::ClaimedTask;
+use crate::definition::SLEEP_HANDLER;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::handler::{FnHandler, Handler, TaskContext, TaskError};
@@ -339,8 +340,8 @@ impl WorkerBuilder {
     ///
     /// # Cancel safety
     /// Dropped before it returns, no worker was started.
-    pub async fn start(self) -> Result<Worker> {
-        let served: HashSet<&str> = self.handlers.keys().map(|(w, _)| w.as_str()).collect();
+    pub async fn start(mut self) -> Result<Worker> {
+        let served: HashSet<String> = self.handlers.keys().map(|(w, _)| w.clone()).collect();
         if served.is_empty() {
             return Err(Error::NoHandlers);
         }
@@ -357,7 +358,7 @@ impl WorkerBuilder {
         } else {
             crate::store::check_isolation(self.engine.pool()).await?;
         }
-        for workflow in served {
+        for workflow in &served {
             let definition = workflows::load(self.engine.pool(), workflow, None).await?;
             for name in definition.handler_names() {
                 if !self.settings.partial
@@ -371,6 +372,16 @@ impl WorkerBuilder {
                         handler: name.to_owned(),
                     });
                 }
+            }
+            // Sleeps are woken by the worker's own handler, for every version that has one
+            // (older executions may still be asleep in an older version).
+            let versions = workflows::all(self.engine.pool(), Some(workflow.as_str())).await?;
+            if versions.iter().any(|(w, _)| w.has_sleep()) {
+                self.handlers
+                    .entry((workflow.clone(), SLEEP_HANDLER.to_owned()))
+                    .or_insert_with(|| {
+                        Arc::new(FnHandler(|_: TaskContext| async { Ok::<_, TaskError>(()) }))
+                    });
             }
         }
         let mut keys = HandlerKeys::default();

@@ -58,7 +58,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                     count(g.fired_at) || ' fired'
                FROM confluo.execution e LEFT JOIN confluo.stage_group g ON g.execution_id = e.id
               WHERE e.status = 'completed'
-              GROUP BY e.id HAVING count(g.id) <> 6 OR count(g.fired_at) <> 6 LIMIT 5",
+              GROUP BY e.id HAVING count(g.id) <> 7 OR count(g.fired_at) <> 7 LIMIT 5",
         )
         .await?,
     );

@@ -16,9 +16,11 @@ pub const MEMBER_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// split (a step) -> member (a map, faults) -> left | right (a parallel block that
 /// records what it received) -> parity (a conditional branch on the parity of left's
-/// total: `even` or `odd`, a step each, passing the block's output on) -> total (a step).
+/// total: `even` or `odd`, a step each, passing the block's output on) -> rest (a durable
+/// sleep of 20 ms, passing it on again) -> total (a step).
 ///
-/// Stages as numbered: split 0, member 1, checks 2, parity 3, even 4, odd 5, total 6.
+/// Stages as numbered: split 0, member 1, checks 2, parity 3, even 4, odd 5, rest 6,
+/// total 7.
 pub fn workflow() -> Workflow {
     let retry =
         RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
@@ -32,6 +34,7 @@ pub fn workflow() -> Workflow {
                 .on("even", [Stage::step("even").retry(retry)])
                 .on("odd", [Stage::step("odd").retry(retry)]),
         )
+        .stage(Stage::sleep("rest", Duration::from_millis(20)))
         .step("total")
 }
 
@@ -177,6 +180,8 @@ impl Context {
                 Ok(output)
             }
             "total" => Ok(input["outputs"]["left"]["total"].clone()),
+            // A sleep's task, when the rogue client claims one (workers run it themselves).
+            "confluo:sleep" => Ok(Value::Null),
             other => Err(TaskError::permanent(format!("no stress handler {other}"))),
         }
     }
