@@ -130,11 +130,19 @@ async fn transition(
         .await?;
     let index = stage_index as usize;
     let input = input_after(conn, &workflow, group_id, index).await?;
+    let Some(next) = workflow.plan().next(index) else {
+        // The last stage: its output (or, for a sleep, what it received; the sleep's own
+        // group stands for the execution input) is the execution's.
+        let output = input.map_or(group_id, |i| i.group);
+        let stages = workflow.stage_count() as i32;
+        executions::complete(conn, execution_id, stages, output).await?;
+        return Ok(true);
+    };
     enter(
         conn,
         execution_id,
         &workflow,
-        workflow.plan().next(index),
+        Some(next),
         input,
         execution.fan_in.parse()?,
     )
@@ -186,8 +194,8 @@ fn stored_kind(kind: &str) -> &'static str {
 /// past the end the execution completes; all in the caller's transaction. An unmatched
 /// branch without `otherwise`, a sleep whose input holds no time, or a map whose input
 /// (reached through a branch or a sleep) is not an array it can take, fails the execution
-/// with the reason recorded on it. Returns the
-/// group of the stage it entered with members (`None`: the execution ended).
+/// with the reason recorded on it. Returns the group of the stage it entered with members
+/// (`None`: the execution ended).
 pub(crate) async fn enter(
     conn: &mut PgConnection,
     execution_id: ExecutionId,

@@ -256,6 +256,7 @@ impl Engine {
                     entered_at: s.entered_at,
                     fired_at: s.fired_at,
                     branch: s.branch.map(|b| b.0),
+                    wakes_at: s.wakes_at,
                 })
                 .collect(),
             dead_letters,

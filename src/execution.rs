@@ -160,6 +160,8 @@ pub struct StageProgress {
     /// For a conditional branch (width 0, fired when entered): the arm it took, and the
     /// value that chose it.
     pub branch: Option<crate::BranchChoice>,
+    /// For a sleep not yet woken: when its task is due.
+    pub wakes_at: Option<DateTime<Utc>>,
 }
 
 /// A dead-lettered member.

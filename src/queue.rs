@@ -291,14 +291,14 @@ impl Engine {
         Ok(outcome)
     }
 
-    /// Whether this process knows the task's stage is not a step (a step's one member is
-    /// always its group's last arrival; an unknown stage is treated as one).
+    /// Whether this process knows the task's stage is not a step (a step's or a sleep's
+    /// one member is always its group's last arrival; an unknown stage is treated as one).
     pub(crate) fn known_not_step(&self, task: &ClaimedTask) -> bool {
         self.cached_definition(&task.workflow, task.workflow_version)
             .is_some_and(|w| {
                 !matches!(
                     w.stage_at(task.stage_index).map(|s| s.kind()),
-                    Some(StageKind::Step) | None
+                    Some(StageKind::Step | StageKind::Sleep { .. }) | None
                 )
             })
     }

@@ -72,6 +72,7 @@ async fn nothing_after_a_sleep_starts_before_it_is_due_and_it_passes_its_input_o
         (nap.kind.as_str(), nap.width, nap.completed),
         ("sleep", 1, 1)
     );
+    assert_eq!(nap.wakes_at, None, "a sleep that woke says nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -103,6 +104,15 @@ async fn a_sleep_survives_the_restart_of_every_worker() {
     assert_eq!(
         (asleep.stages[1].kind.as_str(), asleep.stages[1].pending),
         ("sleep", 1)
+    );
+    let wakes = asleep.stages[1]
+        .wakes_at
+        .expect("a sleeping stage says when it wakes");
+    let entered = asleep.stages[1].entered_at;
+    assert_eq!(
+        (wakes - entered).num_milliseconds(),
+        2000,
+        "{wakes} {entered}"
     );
     // Nobody runs while it sleeps; then a new worker, on a new pool, wakes it.
     tokio::time::sleep(Duration::from_millis(2200)).await;
@@ -203,4 +213,35 @@ fn a_sleep_needs_a_wake_time_and_reserved_names_are_refused() {
         "two sleeps share the workers' handler"
     );
     assert!(two.handler_names().is_empty());
+}
+
+/// A workflow that is only a sleep ends with its input, whether its task is acknowledged
+/// on its own (the single completion's path) or in a worker's batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lone_sleep_passes_the_execution_input_on() {
+    let db = TestDb::new(10).await;
+    db.register(&Workflow::new("lone", 1).stage(Stage::sleep("only", Duration::ZERO)))
+        .await;
+    let id = db.engine.start("lone", &json!({"k": 1})).await.unwrap();
+    let nap = claim_n(&db.engine, 1).await.remove(0);
+    assert_eq!(
+        db.engine.complete(&nap, json!(null)).await.unwrap(),
+        Outcome::Completed { fired: true }
+    );
+    let done = db.engine.execution(id).await.unwrap();
+    assert_eq!(done.status, ExecutionStatus::Completed);
+    assert_eq!(done.output, Some(json!({"k": 1})));
+
+    // A worker serves the workflows it has handlers for: give it one the workflow lacks.
+    let worker = quick_worker(&db.engine, |w| {
+        w.handler("lone", "unused", |_| async {
+            Ok::<_, TaskError>(json!(null))
+        })
+        .partial(true)
+    })
+    .await;
+    let id = db.engine.start("lone", &json!({"k": 2})).await.unwrap();
+    let done = db.engine.wait(id, WAIT).await.unwrap();
+    worker.shutdown().await;
+    assert_eq!(done.output, Some(json!({"k": 2})), "{done:?}");
 }

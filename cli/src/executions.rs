@@ -156,6 +156,9 @@ pub fn timeline(e: &Execution) -> String {
                 .map_or("otherwise".to_owned(), |a| format!("arm {a:?}"));
             out += &format!("      took {arm} (selected value: {})\n", choice.value);
         }
+        if let Some(at) = s.wakes_at {
+            out += &format!("      sleeps until {at}\n");
+        }
     }
     if !e.dead_letters.is_empty() {
         out += &format!("\n  dead letters ({}):\n", e.dead_letters.len());

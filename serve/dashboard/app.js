@@ -323,7 +323,9 @@ async function executionView(view, id) {
         h("td", s.branch
           ? { class: "branch", title: `selected value: ${JSON.stringify(s.branch.value)}`,
               text: `branch: took ${s.branch.arm === null ? "otherwise" : JSON.stringify(s.branch.arm)}` }
-          : { text: s.kind }),
+          : s.wakes_at
+            ? { class: "sleep", title: s.wakes_at, text: `sleep: wakes ${new Date(s.wakes_at).toLocaleString()}` }
+            : { text: s.kind }),
         h("td", { text: s.fan_in || "" }), h("td", { class: "num", text: s.width }),
         h("td", { class: "num" }, h("span", { class: "countdown", id: `countdown-${s.index}`, text: s.remaining })),
         h("td", {}, progress(s)),

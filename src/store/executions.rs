@@ -339,6 +339,7 @@ pub(crate) struct StageRow {
     pub fired_at: Option<DateTime<Utc>>,
     pub entered_at: DateTime<Utc>,
     pub branch: Option<Json<crate::definition::BranchChoice>>,
+    pub wakes_at: Option<DateTime<Utc>>,
     pub attempts: i64,
     pub pending: i64,
     pub running: i64,
@@ -358,6 +359,9 @@ where
                                           WHERE s.group_id = g.id)
                     ELSE g.remaining END AS remaining,
                 g.fan_in, g.fired_at, g.created_at AS entered_at, g.branch,
+                CASE WHEN g.kind = 'sleep' THEN (
+                    SELECT t.run_at FROM confluo.task_all t
+                     WHERE t.group_id = g.id AND t.status = 'pending') END AS wakes_at,
                 coalesce(m.attempts, 0)::int8 AS attempts,
                 m.pending, m.running, m.completed, m.dead, m.cancelled
            FROM confluo.stage_group g
