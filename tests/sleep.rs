@@ -200,6 +200,16 @@ fn a_sleep_needs_a_wake_time_and_reserved_names_are_refused() {
         bad.validate(),
         Err(confluo::DefinitionError::InvalidSleep { .. })
     ));
+    // Ten million years: milliseconds that fit an i64, a time PostgreSQL cannot reach.
+    let eons = Duration::from_secs(10_000_000 * 365 * 24 * 3_600);
+    let forever = Workflow::new("w", 1).stage(Stage::sleep("s", eons));
+    assert!(matches!(
+        forever.validate(),
+        Err(confluo::DefinitionError::InvalidSleep { .. })
+    ));
+    let millennium = Duration::from_secs(1_000 * 365 * 24 * 3_600);
+    let long = Workflow::new("w", 1).stage(Stage::sleep("s", millennium));
+    assert!(long.validate().is_ok());
     let reserved = Workflow::new("w", 1).step("confluo:sleep");
     assert!(matches!(
         reserved.validate(),

@@ -124,6 +124,9 @@ fn check_branch(stage: &str, by: &str, arms: &[Arm]) -> Result<(), DefinitionErr
     Ok(())
 }
 
+/// The longest sleep: 1 000 years, far inside what PostgreSQL can add to now.
+const MAX_SLEEP_MS: u64 = 1_000 * 366 * 24 * 3_600 * 1_000;
+
 /// A sleep needs one wake time: a duration PostgreSQL can add, or a JSON pointer.
 fn check_sleep(
     stage: &str,
@@ -131,9 +134,9 @@ fn check_sleep(
     until: &Option<String>,
 ) -> Result<(), DefinitionError> {
     let reason = match (for_ms, until) {
-        (Some(ms), None) if ms <= i64::MAX as u64 => return Ok(()),
+        (Some(ms), None) if ms <= MAX_SLEEP_MS => return Ok(()),
         (None, Some(p)) if p.is_empty() || p.starts_with('/') => return Ok(()),
-        (Some(_), None) => "the duration is too large",
+        (Some(_), None) => "it is longer than 1 000 years",
         (None, Some(_)) => "`until` is not a JSON pointer (\"\" or a path such as \"/due\")",
         _ => {
             "it needs exactly one of a duration (`Stage::sleep`) and `until` (`Stage::sleep_until`)"
