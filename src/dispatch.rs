@@ -228,10 +228,7 @@ pub(crate) async fn enter(
             otherwise,
         } = stage.kind()
         {
-            let value = match input {
-                Some(i) => groups::output(&mut *conn, i.group).await?,
-                None => executions::input(&mut *conn, execution_id).await?,
-            };
+            let value = input_value(conn, execution_id, input).await?;
             match decide(stage.name(), by, arms, otherwise.is_some(), &value) {
                 Decision::Take(arm, choice) => {
                     let group = GroupId::new();
@@ -310,6 +307,19 @@ pub(crate) async fn enter(
     }
 }
 
+/// The value a stage receives from `input` (`None`: the execution input), as a branch
+/// or a `sleep_until` reads it to decide.
+async fn input_value(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    input: Option<Input>,
+) -> Result<serde_json::Value> {
+    match input {
+        Some(i) => groups::output(conn, i.group).await,
+        None => executions::input(conn, execution_id).await,
+    }
+}
+
 /// When the sleep `stage` wakes: `for_ms` after now, or at the time `until` selects in
 /// its input; `Err` with the reason the execution fails when that is not a time.
 async fn wake(
@@ -324,10 +334,7 @@ async fn wake(
         let ms = i64::try_from(for_ms.unwrap_or(0)).unwrap_or(i64::MAX);
         return Ok(Ok(Wake::After(ms)));
     };
-    let value = match input {
-        Some(i) => groups::output(&mut *conn, i.group).await?,
-        None => executions::input(&mut *conn, execution_id).await?,
-    };
+    let value = input_value(conn, execution_id, input).await?;
     let selected = value.pointer(pointer);
     Ok(match selected.and_then(|v| v.as_str()) {
         Some(text) => match chrono::DateTime::parse_from_rfc3339(text) {
