@@ -6,13 +6,13 @@ use std::collections::{HashMap, HashSet};
 
 use sqlx::PgConnection;
 
-use crate::definition::{decide, Decision, StageKind, Workflow};
+use crate::definition::{decide, timeout_input, Decision, StageKind, Workflow};
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 use crate::store::groups::{MemberSource, Wake};
-use crate::store::{executions, fan_in, groups};
+use crate::store::{executions, fan_in, groups, signals};
 
 /// The group whose output a stage receives: its id, kind and stage index.
 #[derive(Clone, Copy, Debug)]
@@ -182,6 +182,7 @@ fn stored_kind(kind: &str) -> &'static str {
         "map" => "map",
         "branch" => "branch",
         "sleep" => "sleep",
+        "signal" => "signal",
         _ => "step",
     }
 }
@@ -189,7 +190,8 @@ fn stored_kind(kind: &str) -> &'static str {
 /// Enters stage `index` of the plan (`None`: past the end), fed by `input` (`None`: the
 /// execution input). Its group uses the stage's fan-in strategy, else `default_fan_in`.
 /// A branch records its choice and goes on to its arm's first stage; a sleep's task is due
-/// at its wake time; a stage with no
+/// at its wake time; a signal wait receives the signal kept for it, if it came first, and
+/// goes on; a stage with no
 /// members (an empty map) fires at once, and the execution goes on to what follows it;
 /// past the end the execution completes; all in the caller's transaction. An unmatched
 /// branch without `otherwise`, a sleep whose input holds no time, or a map whose input
@@ -253,9 +255,17 @@ pub(crate) async fn enter(
             }
             continue;
         }
+        // What a signal wait's timeout handler reads.
+        let wait = match stage.kind() {
+            StageKind::Signal {
+                timeout_ms,
+                on_timeout,
+            } => Some(timeout_input(stage.name(), *timeout_ms, on_timeout)),
+            _ => None,
+        };
         let source = match (stage.kind(), input) {
             (StageKind::Map, None) => MemberSource::ExecutionInput,
-            (StageKind::Map, Some(i)) if i.kind == "step" => MemberSource::StepOutput(i.group),
+            (StageKind::Map, Some(i)) if one_output(i.kind) => MemberSource::StepOutput(i.group),
             (StageKind::Map, Some(i)) => MemberSource::GroupOutputs(i.group),
             (StageKind::Sleep { for_ms, until }, _) => {
                 match wake(conn, execution_id, stage.name(), *for_ms, until, input).await? {
@@ -266,6 +276,12 @@ pub(crate) async fn enter(
                     }
                 }
             }
+            (StageKind::Signal { timeout_ms, .. }, _) => MemberSource::Signal(
+                timeout_ms.map_or(Wake::Never, |ms| {
+                    Wake::After(i64::try_from(ms).unwrap_or(i64::MAX))
+                }),
+                wait.as_ref().expect("a signal wait has its timeout input"),
+            ),
             _ => MemberSource::Handlers,
         };
         // `start` and a step's acknowledgement check a map's input when the map comes
@@ -294,7 +310,16 @@ pub(crate) async fn enter(
             fan_in,
         )
         .await?;
-        if width > 0 {
+        if wait.is_some() {
+            // A signal that came before its stage was kept: received now, as it would
+            // have been had it come after. The execution's lock, held here and by
+            // `Engine::signal`, keeps the two from missing each other.
+            let Some(payload) = signals::payload(conn, execution_id, stage.name()).await? else {
+                return Ok(Some(group_id));
+            };
+            let received = signals::hand_over(conn, execution_id, stage.name(), &payload).await?;
+            debug_assert!(received.is_some(), "the wait entered here is pending");
+        } else if width > 0 {
             return Ok(Some(group_id));
         }
         fan_in::mark_fired(conn, group_id).await?;
@@ -305,6 +330,12 @@ pub(crate) async fn enter(
         });
         index = slot.next;
     }
+}
+
+/// Whether a group of this kind has one member whose output is the group's (a step, a
+/// signal wait), rather than a block's aggregate.
+fn one_output(kind: &str) -> bool {
+    kind == "step" || kind == "signal"
 }
 
 /// The value a stage receives from `input` (`None`: the execution input), as a branch

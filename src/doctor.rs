@@ -9,7 +9,7 @@ use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId};
-use crate::store::{audit, locks};
+use crate::store::{audit, locks, signals};
 
 /// What [`Engine::doctor`] found. Empty on a healthy database.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -23,6 +23,8 @@ pub struct Diagnosis {
     /// Running executions with nothing left to run: no open task and every group fired,
     /// but the next stage was never entered (or the execution never completed).
     pub stalled_executions: Vec<GroupRef>,
+    /// Signals kept for a wait that is pending: a signal that was never received.
+    pub unreceived_signals: Vec<SignalRef>,
 }
 
 impl Diagnosis {
@@ -31,11 +33,15 @@ impl Diagnosis {
         self.counter_mismatches.is_empty()
             && self.unfired_groups.is_empty()
             && self.stalled_executions.is_empty()
+            && self.unreceived_signals.is_empty()
     }
 
     /// Number of findings.
     pub fn len(&self) -> usize {
-        self.counter_mismatches.len() + self.unfired_groups.len() + self.stalled_executions.len()
+        self.counter_mismatches.len()
+            + self.unfired_groups.len()
+            + self.stalled_executions.len()
+            + self.unreceived_signals.len()
     }
 
     /// True when nothing was found (the same as [`is_healthy`](Self::is_healthy)).
@@ -75,6 +81,16 @@ pub struct GroupRef {
     pub stage_index: i32,
 }
 
+/// A signal kept for an execution, by name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct SignalRef {
+    /// The execution.
+    pub execution_id: ExecutionId,
+    /// The signal's name.
+    pub name: String,
+}
+
 /// What [`Engine::repair`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
@@ -87,6 +103,8 @@ pub struct Repairs {
     pub groups_fired: usize,
     /// Stalled executions moved on.
     pub executions_advanced: usize,
+    /// Kept signals handed to their pending waits.
+    pub signals_received: usize,
 }
 
 impl From<audit::GroupRow> for GroupRef {
@@ -102,7 +120,8 @@ impl From<audit::GroupRow> for GroupRef {
 impl Engine {
     /// Audits the database for states the engine's transitions never commit: counters
     /// that disagree with their members, groups whose members are all terminal that never
-    /// fired, running executions with nothing left to run. Read-only; each kind of
+    /// fired, running executions with nothing left to run, signals kept while their wait
+    /// is pending. Read-only; each kind of
     /// finding is read in one statement, so concurrent work cannot produce a false one.
     ///
     /// ```no_run
@@ -125,6 +144,7 @@ impl Engine {
         let counters = audit::counter_mismatches(&mut conn).await?;
         let unfired = audit::unfired_groups(&mut conn).await?;
         let stalled = audit::stalled_executions(&mut conn).await?;
+        let unreceived = signals::unreceived(&mut *conn, 1_000).await?;
         Ok(Diagnosis {
             counter_mismatches: counters
                 .into_iter()
@@ -139,13 +159,17 @@ impl Engine {
                 .collect(),
             unfired_groups: unfired.into_iter().map(GroupRef::from).collect(),
             stalled_executions: stalled.into_iter().map(GroupRef::from).collect(),
+            unreceived_signals: unreceived
+                .into_iter()
+                .map(|(execution_id, name)| SignalRef { execution_id, name })
+                .collect(),
         })
     }
 
     /// Audits (as [`doctor`](Self::doctor)) and re-drives what it finds: re-counts
     /// disagreeing counters from their members, fires unfired groups (dispatching their
-    /// next stage exactly once: the group's fired marker still guards it), and moves
-    /// stalled executions on. Each repair is a transaction of its own that locks what it
+    /// next stage exactly once: the group's fired marker still guards it), moves
+    /// stalled executions on, and hands kept signals to their pending waits. Each repair is a transaction of its own that locks what it
     /// touches in the order completions do (stripes, then the group, then the execution)
     /// and re-checks its finding first, so repairing while workers run, or twice, is safe.
     ///
@@ -218,6 +242,15 @@ impl Engine {
                 .await?
             {
                 repairs.executions_advanced += 1;
+            }
+            tx.commit().await?;
+        }
+        for signal in &found.unreceived_signals {
+            let mut tx = crate::store::begin(self.pool()).await?;
+            locks::execution(&mut tx, signal.execution_id).await?;
+            if crate::signal::receive_kept(self, &mut tx, signal.execution_id, &signal.name).await?
+            {
+                repairs.signals_received += 1;
             }
             tx.commit().await?;
         }

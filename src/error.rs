@@ -105,6 +105,36 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// The execution's workflow version has no signal wait of this name.
+    #[error(
+        "execution {execution} (workflow {workflow} v{version}) waits for no signal named          {name:?}; {}",
+        match known.as_slice() {
+            [] => "its workflow has no signal stage".to_owned(),
+            names => format!("it waits for {}: check the name", names.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")),
+        }
+    )]
+    UnknownSignal {
+        /// The execution.
+        execution: crate::ExecutionId,
+        /// Its workflow.
+        workflow: String,
+        /// Its workflow's version (executions stay on the version they started with).
+        version: i32,
+        /// The signal name given.
+        name: String,
+        /// The names its signal waits have.
+        known: Vec<String>,
+    },
+
+    /// A signal's payload cannot be its wait's output. Nothing was kept.
+    #[error("signal {name:?} was refused, nothing kept: {reason}")]
+    InvalidSignal {
+        /// The signal.
+        name: String,
+        /// What is wrong with its payload.
+        reason: String,
+    },
+
     /// A task's output does not fit the next stage, e.g. a step followed by a map must
     /// return an array. Nothing was recorded: the attempt should be failed instead.
     #[error("invalid output of task {task}: {reason}")]

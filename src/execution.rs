@@ -129,7 +129,7 @@ pub struct StageProgress {
     pub index: usize,
     /// Stage name.
     pub name: String,
-    /// `step`, `parallel`, `map` or `branch`.
+    /// `step`, `parallel`, `map`, `branch`, `sleep` or `signal`.
     pub kind: String,
     /// The group's id.
     pub group_id: GroupId,
@@ -160,7 +160,8 @@ pub struct StageProgress {
     /// For a conditional branch (width 0, fired when entered): the arm it took, and the
     /// value that chose it.
     pub branch: Option<crate::BranchChoice>,
-    /// For a sleep not yet woken: when its task is due.
+    /// For a sleep not yet woken: when its task is due; for a signal wait still waiting,
+    /// when it times out (`None`: it has no timeout).
     pub wakes_at: Option<DateTime<Utc>>,
 }
 

@@ -80,6 +80,7 @@ mod outputs;
 mod queue;
 mod reclaim;
 mod registry;
+mod signal;
 mod start;
 mod store;
 #[cfg(feature = "webhooks")]
@@ -93,10 +94,10 @@ pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
 pub use definition::{
-    Arm, Branch, BranchChoice, DefinitionError, OnMemberFailure, RetryPolicy, Stage, StageKind,
-    Workflow,
+    Arm, Branch, BranchChoice, DefinitionError, OnMemberFailure, RetryPolicy, SignalWait, Stage,
+    StageKind, Workflow,
 };
-pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs};
+pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs, SignalRef};
 pub use engine::{Engine, EngineBuilder};
 pub use error::{ConnectError, Error, Result};
 pub use execution::{
@@ -114,6 +115,7 @@ pub use notifications::Notification;
 pub use outputs::{BlockMember, BlockOutputs, DEFAULT_INLINE_BLOCK_INPUT, MAX_MAP_WIDTH};
 pub use queue::Outcome;
 pub use registry::{WorkerInfo, WorkerState, WORKER_RETENTION};
+pub use signal::SignalOutcome;
 pub use start::{StartOptions, Started};
 pub use worker::{Notifications, Worker, WorkerBuilder, DEFAULT_ARCHIVE_AFTER};
 

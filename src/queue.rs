@@ -291,15 +291,14 @@ impl Engine {
         Ok(outcome)
     }
 
-    /// Whether this process knows the task's stage is not a step (a step's or a sleep's
-    /// one member is always its group's last arrival; an unknown stage is treated as one).
+    /// Whether this process knows the task's stage is not a step (the one member of a
+    /// step, a sleep or a signal wait is always its group's last arrival; an unknown stage
+    /// is treated as one).
     pub(crate) fn known_not_step(&self, task: &ClaimedTask) -> bool {
         self.cached_definition(&task.workflow, task.workflow_version)
             .is_some_and(|w| {
-                !matches!(
-                    w.stage_at(task.stage_index).map(|s| s.kind()),
-                    Some(StageKind::Step | StageKind::Sleep { .. }) | None
-                )
+                w.stage_at(task.stage_index)
+                    .is_some_and(|s| !s.has_one_member())
             })
     }
 
@@ -324,7 +323,8 @@ impl Engine {
         let stage = workflow
             .stage_at(task.stage_index)
             .ok_or_else(|| beyond_stages(task.id, task.stage_index, &workflow))?;
-        let is_step = matches!(stage.kind(), StageKind::Step);
+        // A signal wait's output (its timeout output here) feeds the next stage as a step's.
+        let is_step = matches!(stage.kind(), StageKind::Step | StageKind::Signal { .. });
         if is_step && next_is_map && !output.is_array() {
             return Err(Error::InvalidOutput {
                 task: task.id,

@@ -1,5 +1,5 @@
 //! Property tests: random workflow shapes (steps, parallel blocks, maps of width 0..64,
-//! conditional branches),
+//! conditional branches, sleeps, signal waits raced by their signals and timeouts),
 //! failure patterns, duplicate and late completions and worker counts, run by concurrent
 //! workers on separate connections against real PostgreSQL. Whatever the case, the
 //! execution ends as a model of it predicts, every group fires exactly once, counters
@@ -30,7 +30,14 @@ enum Shape {
     Branch,
     /// A sleep of a few milliseconds: what follows receives what it received.
     Sleep,
+    /// A wait for a signal sent a few milliseconds after the start (before the wait is
+    /// reached, or while it waits), timing out after a few milliseconds with the same
+    /// output as the signal's payload ([`SIGNALLED`]): whoever wins, the model is one.
+    Signal,
 }
+
+/// The payload of every signal, and the timeout output of every wait.
+const SIGNALLED: [i64; 2] = [1, 2];
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -79,6 +86,10 @@ impl Case {
                         .into()
                 }
                 Shape::Sleep => Stage::sleep(format!("s{}", i + 1), Duration::from_millis(3)),
+                Shape::Signal => Stage::signal(format!("s{}", i + 1))
+                    .within(Duration::from_millis(roll(self.seed, ("timeout", i)) / 4))
+                    .on_timeout(json!(SIGNALLED))
+                    .into(),
             };
             wf = wf.stage(stage.retry(retry).fan_in(self.strategy));
         }
@@ -162,6 +173,13 @@ impl Case {
             }
             // Its one task may fail for good like a step's; otherwise nothing changes.
             Shape::Sleep => return !self.dead(index, 0),
+            // The signal or the timeout: either gives the same output, and neither fails.
+            Shape::Signal => {
+                model.elements = SIGNALLED.iter().map(|v| json!(v)).collect();
+                model.last = json!(SIGNALLED);
+                model.step = true;
+                return true;
+            }
             Shape::Branch => unreachable!("a branch runs one of its arms' stages"),
         }
         model.step = shape == Shape::Step;
@@ -185,6 +203,9 @@ fn output(stage: usize, handler: &str, item: u32, input: &Value) -> Value {
         return json!(branch.parse::<u8>().unwrap());
     }
     let _ = stage;
+    if handler == "confluo:signal" {
+        return input["on_timeout"].clone(); // what the workers' own handler returns
+    }
     match input {
         Value::Number(n) if handler == "s0" => json!((1..=n.as_i64().unwrap()).collect::<Vec<_>>()),
         Value::Number(n) => json!(n.as_i64().unwrap() + 1), // a map member
@@ -208,7 +229,8 @@ fn case() -> impl Strategy<Value = Case> {
         (1u8..=4).prop_map(Shape::Parallel),
         Just(Shape::Map),
         Just(Shape::Branch),
-        Just(Shape::Sleep)
+        Just(Shape::Sleep),
+        Just(Shape::Signal)
     ];
     (
         0usize..64,
@@ -257,6 +279,43 @@ async fn run(case: &Case) -> Result<(), String> {
     let done = Arc::new(AtomicBool::new(false));
     let fired = Arc::new(AtomicUsize::new(0));
     let violations = Arc::new(Mutex::new(Vec::<String>::new()));
+    // Each wait's signal, sent a few milliseconds in (sometimes twice); a received one
+    // fired the wait's group.
+    let mut signallers = Vec::new();
+    for (i, _) in case
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| **s == Shape::Signal)
+    {
+        let (engine, fired, violations) = (db.engine.clone(), fired.clone(), violations.clone());
+        let (delay, twice) = (
+            roll(case.seed, ("signal", i)) / 3,
+            roll(case.seed, ("dup", i)) < case.duplicate_pct,
+        );
+        signallers.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            let name = format!("s{}", i + 1);
+            for attempt in 0..if twice { 2 } else { 1 } {
+                let outcome = engine.signal(id, &name, json!(SIGNALLED)).await.unwrap();
+                let fine = match outcome {
+                    confluo::SignalOutcome::Received => {
+                        fired.fetch_add(1, Ordering::Relaxed);
+                        attempt == 0
+                    }
+                    confluo::SignalOutcome::Kept => attempt == 0,
+                    confluo::SignalOutcome::AlreadyReceived => attempt == 1,
+                    _ => true, // too late, or the execution ended
+                };
+                if !fine {
+                    violations
+                        .lock()
+                        .unwrap()
+                        .push(format!("signal {name} #{attempt} was {outcome:?}"));
+                }
+            }
+        }));
+    }
     let mut workers = Vec::new();
     for w in 0..case.workers {
         let engine = common::engine(db.new_pool(2).await);
@@ -287,7 +346,9 @@ async fn run(case: &Case) -> Result<(), String> {
                         &input,
                     );
                     let member = (task.stage_index(), task.item_index());
-                    let outcome = if case.dead(member.0, member.1) {
+                    // A wait's timeout is run as the workers' own handler runs it.
+                    let timer = task.handler() == "confluo:signal";
+                    let outcome = if case.dead(member.0, member.1) && !timer {
                         engine.fail(&task, "injected: dead", true).await.unwrap()
                     } else if task.attempt() == 1
                         && roll(case.seed, ("flaky", member)) < case.flaky_pct
@@ -336,8 +397,9 @@ async fn run(case: &Case) -> Result<(), String> {
         .await
         .map_err(|e| format!("{e}"))?;
     done.store(true, Ordering::Relaxed);
-    for w in workers {
-        w.await.map_err(|e| format!("a worker panicked: {e}"))?;
+    for w in workers.into_iter().chain(signallers) {
+        w.await
+            .map_err(|e| format!("a worker or signaller panicked: {e}"))?;
     }
     if let Some(v) = violations.lock().unwrap().first() {
         return Err(v.clone());
@@ -361,11 +423,13 @@ async fn run(case: &Case) -> Result<(), String> {
             return Err(format!("output {got}, expected {last}"));
         }
     }
-    // Every group with members fired exactly once, each fire reported to one finisher;
+    // Every group with members fired exactly once, each fire reported to one finisher
+    // (a wait whose signal was kept fires unreported, in the transaction that entered it);
     // every counter tells the truth.
     let (groups, fired_groups, lying): (i64, i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE g.width > 0),
-                count(*) FILTER (WHERE g.width > 0 AND g.fired_at IS NOT NULL),
+                count(*) FILTER (WHERE g.width > 0 AND g.fired_at IS NOT NULL
+                                   AND NOT (g.kind = 'signal' AND g.fired_at = g.created_at)),
                 count(*) FILTER (WHERE (g.fan_in = 'countdown' AND g.remaining <> o.open)
                                     OR (g.fan_in = 'striped' AND g.remaining <>
                                         (SELECT count(*) FROM confluo.group_stripe s
@@ -388,7 +452,15 @@ async fn run(case: &Case) -> Result<(), String> {
             "{reported} finishers told fired, {fired_groups} groups fired"
         ));
     }
-    if status == ExecutionStatus::Completed && fired_groups != groups {
+    let silent: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM confluo.stage_group
+          WHERE execution_id = $1 AND kind = 'signal' AND fired_at = created_at",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    if status == ExecutionStatus::Completed && fired_groups + silent != groups {
         return Err(format!(
             "{fired_groups} of {groups} groups fired in a completed execution"
         ));

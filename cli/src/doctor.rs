@@ -24,8 +24,12 @@ pub async fn run(engine: Engine, args: Args) -> anyhow::Result<ExitCode> {
         } else {
             print!("{}", table(&repairs.found));
             println!(
-                "repaired: {} counters re-counted, {} groups fired, {} executions moved on",
-                repairs.counters_fixed, repairs.groups_fired, repairs.executions_advanced
+                "repaired: {} counters re-counted, {} groups fired, {} executions moved on, {} \
+                 signals received",
+                repairs.counters_fixed,
+                repairs.groups_fired,
+                repairs.executions_advanced,
+                repairs.signals_received
             );
         }
         return Ok(ExitCode::SUCCESS);
@@ -46,7 +50,7 @@ pub async fn run(engine: Engine, args: Args) -> anyhow::Result<ExitCode> {
 fn table(d: &Diagnosis) -> String {
     if d.is_healthy() {
         return "healthy: every counter matches its members, every finished group fired, \
-                no running execution is stuck\n"
+                no running execution is stuck, every signal reached its wait\n"
             .to_owned();
     }
     let mut out = format!(
@@ -73,6 +77,12 @@ fn table(d: &Diagnosis) -> String {
         out += &format!(
             "{:<20} {:<38} {:>5}  group {} fired, nothing after it\n",
             "stalled execution", g.execution_id, g.stage_index, g.group_id
+        );
+    }
+    for s in &d.unreceived_signals {
+        out += &format!(
+            "{:<20} {:<38} {:>5}  signal {:?} kept while its wait is pending\n",
+            "unreceived signal", s.execution_id, "-", s.name
         );
     }
     out + &format!(

@@ -156,8 +156,15 @@ pub fn timeline(e: &Execution) -> String {
                 .map_or("otherwise".to_owned(), |a| format!("arm {a:?}"));
             out += &format!("      took {arm} (selected value: {})\n", choice.value);
         }
-        if let Some(at) = s.wakes_at {
-            out += &format!("      sleeps until {at}\n");
+        match (s.kind.as_str(), s.wakes_at) {
+            ("signal", Some(at)) => {
+                out += &format!("      waits for signal {:?} until {at}\n", s.name)
+            }
+            ("signal", None) if s.pending > 0 => {
+                out += &format!("      waits for signal {:?}\n", s.name)
+            }
+            (_, Some(at)) => out += &format!("      sleeps until {at}\n"),
+            _ => {}
         }
     }
     if !e.dead_letters.is_empty() {

@@ -5,6 +5,7 @@
 //! confluo list --status failed
 //! confluo inspect <execution>
 //! confluo cancel <execution>
+//! confluo signal <execution> approval '{"approved": true}'
 //! confluo dead-letters list|show <task>|reprocess <task>...
 //! confluo doctor [--repair] [--json]
 //! confluo demo --width 10000
@@ -21,6 +22,7 @@ mod doctor;
 mod executions;
 mod route;
 mod serve;
+mod signal;
 use confluo_testkit as server;
 mod stress;
 mod worker;
@@ -58,6 +60,9 @@ enum Command {
     List(executions::ListArgs),
     /// Cancels an execution: its pending tasks never run, nothing more is dispatched.
     Cancel(executions::CancelArgs),
+    /// Sends a signal to an execution, for its `Stage::signal` wait of that name; kept if
+    /// the execution has not reached the wait yet. Exits 1 if it changed nothing.
+    Signal(signal::Args),
     /// Dead-lettered tasks: list them, show one, reprocess them.
     #[command(name = "dead-letters")]
     DeadLetters(dead_letters::Args),
@@ -194,6 +199,7 @@ impl Command {
             Command::Inspect(a) => a.target.database.as_deref(),
             Command::List(a) => a.target.database.as_deref(),
             Command::Cancel(a) => a.target.database.as_deref(),
+            Command::Signal(a) => a.target.database.as_deref(),
             Command::DeadLetters(a) => a.target.database.as_deref(),
             Command::Purge(a) => a.target.database.as_deref(),
             Command::Archive(a) => a.target.database.as_deref(),
@@ -256,6 +262,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Inspect(args) => executions::inspect(connect(&options, 2).await?, args).await,
         Command::List(args) => executions::list(connect(&options, 2).await?, args).await,
         Command::Cancel(args) => executions::cancel(connect(&options, 2).await?, args).await,
+        Command::Signal(args) => signal::run(connect(&options, 2).await?, args).await,
         Command::DeadLetters(args) => dead_letters::run(connect(&options, 2).await?, args).await,
         Command::Purge(args) => executions::purge(connect(&options, 2).await?, args).await,
         Command::Archive(args) => executions::archive(connect(&options, 2).await?, args).await,

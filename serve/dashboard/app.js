@@ -323,6 +323,9 @@ async function executionView(view, id) {
         h("td", s.branch
           ? { class: "branch", title: `selected value: ${JSON.stringify(s.branch.value)}`,
               text: `branch: took ${s.branch.arm === null ? "otherwise" : JSON.stringify(s.branch.arm)}` }
+          : s.kind === "signal" && s.pending > 0
+            ? { class: "signal", title: s.wakes_at || "no timeout",
+                text: `signal: waiting${s.wakes_at ? `, times out ${new Date(s.wakes_at).toLocaleString()}` : ""}` }
           : s.wakes_at
             ? { class: "sleep", title: s.wakes_at, text: `sleep: wakes ${new Date(s.wakes_at).toLocaleString()}` }
             : { text: s.kind }),

@@ -44,8 +44,8 @@ pub(crate) async fn guard(State(state): State<AppState>, request: Request, next:
         return ApiError::new(
             StatusCode::FORBIDDEN,
             "writes_disabled",
-            "this server is read-only (started with --read-only): starting, cancelling and \
-             reprocessing are turned off",
+            "this server is read-only (started with --read-only): starting, cancelling, \
+             signalling and reprocessing are turned off",
         )
         .into_response();
     }

@@ -88,6 +88,8 @@ impl From<confluo::Error> for ApiError {
             E::WorkflowNotFound { .. } => (StatusCode::NOT_FOUND, "workflow_not_found"),
             E::ExecutionNotFound(_) => (StatusCode::NOT_FOUND, "execution_not_found"),
             E::TaskNotFound(_) => (StatusCode::NOT_FOUND, "task_not_found"),
+            E::UnknownSignal { .. } => (StatusCode::NOT_FOUND, "unknown_signal"),
+            E::InvalidSignal { .. } => (StatusCode::BAD_REQUEST, "invalid_signal"),
             E::NotDeadLettered { .. } => (StatusCode::CONFLICT, "not_dead_lettered"),
             E::ExecutionNotResumable { .. } => (StatusCode::CONFLICT, "execution_not_resumable"),
             E::DeadlinePassed { .. } => (StatusCode::CONFLICT, "deadline_passed"),

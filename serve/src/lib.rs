@@ -1,7 +1,7 @@
 //! # confluo-serve
 //!
 //! confluo's HTTP API: a JSON interface under `/api/v1` to what the command line does
-//! (start, list, inspect, cancel executions; list, show and reprocess dead letters;
+//! (start, list, inspect, cancel and signal executions; list, show and reprocess dead letters;
 //! workflows, workers, stats, health) and its OpenAPI document, generated from the code
 //! and served at `/api/v1/openapi.json`. `confluo serve` runs it; a service can also mount
 //! [`router`] in its own axum application.
@@ -17,8 +17,8 @@
 //! # Security
 //! It listens on 127.0.0.1 by default. Listening on any other address requires a bearer
 //! token ([`Config::token`]): every request but the health and readiness probes must then
-//! carry `Authorization: Bearer <token>`. Write endpoints (start, cancel, reprocess) can be
-//! turned off ([`Config::read_only`]); they then answer 403.
+//! carry `Authorization: Bearer <token>`. Write endpoints (start, cancel, signal,
+//! reprocess) can be turned off ([`Config::read_only`]); they then answer 403.
 //!
 //! # Errors
 //! Every error is JSON: `{"status": 404, "code": "execution_not_found", "message": "..."}`,
@@ -86,7 +86,7 @@ impl Config {
         self
     }
 
-    /// Turns the write endpoints (start, cancel, reprocess) off: they answer 403.
+    /// Turns the write endpoints (start, cancel, signal, reprocess) off: they answer 403.
     pub fn read_only(mut self) -> Self {
         self.writes = false;
         self

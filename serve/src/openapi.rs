@@ -20,6 +20,7 @@ use crate::api::{dead_letters, executions, notifications, system};
         executions::list,
         executions::get,
         executions::cancel,
+        executions::signal,
         executions::members,
         executions::task,
         notifications::of_execution,
@@ -38,7 +39,7 @@ use crate::api::{dead_letters, executions, notifications, system};
     ),
     modifiers(&BearerToken),
     tags(
-        (name = "executions", description = "Start, list, inspect and cancel executions"),
+        (name = "executions", description = "Start, list, inspect, cancel and signal executions"),
         (name = "dead letters", description = "Members that kept failing, and reprocessing them"),
         (name = "notifications", description = "Webhooks announcing executions' ends, and their delivery"),
         (name = "system", description = "Probes, workflows, workers and stats"),

@@ -203,6 +203,50 @@ async fn executions_and_dead_letters_through_the_api() {
     assert_eq!(workflows[0]["definition"]["name"], "api", "{workflows}");
 }
 
+/// A signal through the API: kept before its wait, a duplicate is harmless, an unknown
+/// name and a payload the next stage cannot take are refused, an ended execution is a
+/// conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_through_the_api() {
+    let engine = engine("confluo_serve_signals").await;
+    engine
+        .register(
+            &Workflow::new("approve", 1)
+                .stage(confluo::Stage::signal("approval"))
+                .map("each"),
+        )
+        .await
+        .unwrap();
+    let app = confluo_serve::router(engine.clone(), &local()).unwrap();
+    let id = engine.start("approve", &json!(null)).await.unwrap();
+    let url = format!("/api/v1/executions/{id}/signals/approval");
+    let refused = call(&app, Method::POST, &url, Some(json!({"not": "a list"}))).await;
+    assert_error(&refused, StatusCode::BAD_REQUEST, "invalid_signal");
+    let unknown = call(
+        &app,
+        Method::POST,
+        &format!("/api/v1/executions/{id}/signals/aproval"),
+        Some(json!(1)),
+    )
+    .await;
+    assert_error(&unknown, StatusCode::NOT_FOUND, "unknown_signal");
+    let (status, received) = call(&app, Method::POST, &url, Some(json!([1, 2]))).await;
+    assert_eq!(
+        (status, received),
+        (StatusCode::OK, json!({"outcome": "received"}))
+    );
+    let (status, again) = call(&app, Method::POST, &url, Some(json!([3]))).await;
+    assert_eq!(
+        (status, again),
+        (StatusCode::OK, json!({"outcome": "already_received"}))
+    );
+    let (_, got) = call(&app, Method::GET, &format!("/api/v1/executions/{id}"), None).await;
+    assert_eq!(got["stages"][1]["width"], 2, "{got}");
+    assert!(engine.cancel(id).await.unwrap());
+    let ended = call(&app, Method::POST, &url, Some(json!([1]))).await;
+    assert_error(&ended, StatusCode::CONFLICT, "already_ended");
+}
+
 /// Every failure is JSON with the status it is sent with and a code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_are_json_with_a_status_and_a_code() {
@@ -400,6 +444,7 @@ async fn the_openapi_document_describes_every_route() {
         ("get", "/api/v1/executions"),
         ("get", "/api/v1/executions/{id}"),
         ("post", "/api/v1/executions/{id}/cancel"),
+        ("post", "/api/v1/executions/{id}/signals/{name}"),
         ("get", "/api/v1/executions/{id}/stages/{stage}/members"),
         ("get", "/api/v1/executions/{id}/notifications"),
         ("get", "/api/v1/tasks/{task}"),

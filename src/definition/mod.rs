@@ -7,6 +7,7 @@
 mod branch;
 mod plan;
 mod retry;
+mod signal;
 mod validate;
 
 use std::sync::OnceLock;
@@ -20,6 +21,8 @@ pub(crate) use branch::{decide, Decision};
 pub use branch::{Arm, Branch, BranchChoice};
 pub(crate) use plan::Plan;
 pub use retry::RetryPolicy;
+pub use signal::SignalWait;
+pub(crate) use signal::{timed_out, timeout_input, SIGNAL_HANDLER};
 pub use validate::DefinitionError;
 
 /// An ordered list of stages under a name and a version.
@@ -113,6 +116,18 @@ pub enum StageKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         until: Option<String>,
     },
+    /// A wait for the signal named after the stage ([`Stage::signal`]), sent with
+    /// [`Engine::signal`](crate::Engine::signal): one task completed by the signal, whose
+    /// payload is the stage's output.
+    Signal {
+        /// Give up this long after entering the stage, in milliseconds (none: wait as long
+        /// as the execution runs)...
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        timeout_ms: Option<u64>,
+        /// ...failing the execution, or with this output.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        on_timeout: Option<serde_json::Value>,
+    },
 }
 
 /// The handler of a sleep's task, run by every worker that serves the workflow (a name no
@@ -120,7 +135,8 @@ pub enum StageKind {
 pub(crate) const SLEEP_HANDLER: &str = "confluo:sleep";
 
 impl StageKind {
-    /// The name stored in the database (`step`, `parallel`, `map`, `branch`).
+    /// The name stored in the database (`step`, `parallel`, `map`, `branch`, `sleep`,
+    /// `signal`).
     pub fn as_str(&self) -> &'static str {
         match self {
             StageKind::Step => "step",
@@ -128,6 +144,7 @@ impl StageKind {
             StageKind::Map => "map",
             StageKind::Branch { .. } => "branch",
             StageKind::Sleep { .. } => "sleep",
+            StageKind::Signal { .. } => "signal",
         }
     }
 }
@@ -224,6 +241,17 @@ impl Stage {
         )
     }
 
+    /// A wait for the signal named `name` (the stage's own name), sent to the execution
+    /// with [`Engine::signal`](crate::Engine::signal) or `confluo signal`. The signal's
+    /// payload is the stage's output, what the next stage receives. A signal sent before
+    /// the execution reaches the stage is kept and received on arrival; each name is
+    /// received once per execution. Give up after a while with [`SignalWait::within`],
+    /// and take a default path on a timeout with [`SignalWait::on_timeout`]. Nothing to
+    /// register: workers time waits out with a handler of their own.
+    pub fn signal(name: impl Into<String>) -> SignalWait {
+        SignalWait::new(name)
+    }
+
     /// Sets the retry policy of this stage's tasks (default: [`RetryPolicy::default`]).
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
@@ -287,21 +315,31 @@ impl Stage {
         self.priority
     }
 
-    /// Whether a dead-lettered member fails the execution (always true for a step and a
-    /// sleep).
+    /// Whether a dead-lettered member fails the execution (always true for a step, a
+    /// sleep and a signal wait).
     pub fn fails_execution_on_member_failure(&self) -> bool {
-        matches!(self.kind, StageKind::Step | StageKind::Sleep { .. })
-            || self.on_member_failure == OnMemberFailure::FailExecution
+        self.has_one_member() || self.on_member_failure == OnMemberFailure::FailExecution
+    }
+
+    /// Whether the stage's group always has exactly one member (a step, a sleep, a signal
+    /// wait): its one arrival is always the group's last.
+    pub(crate) fn has_one_member(&self) -> bool {
+        matches!(
+            self.kind,
+            StageKind::Step | StageKind::Sleep { .. } | StageKind::Signal { .. }
+        )
     }
 
     /// The handler names this stage's own tasks need: its own name, or its parallel
     /// branch names; none for a conditional branch (its arms' stages have their own) or a
-    /// sleep (workers run it themselves).
+    /// sleep or a signal wait (workers run them themselves).
     pub fn handler_names(&self) -> Vec<&str> {
         match &self.kind {
             StageKind::Parallel { branches } => branches.iter().map(String::as_str).collect(),
             StageKind::Step | StageKind::Map => vec![self.name.as_str()],
-            StageKind::Branch { .. } | StageKind::Sleep { .. } => Vec::new(),
+            StageKind::Branch { .. } | StageKind::Sleep { .. } | StageKind::Signal { .. } => {
+                Vec::new()
+            }
         }
     }
 }
@@ -391,12 +429,41 @@ impl Workflow {
         self.plan.get_or_init(|| Plan::of(&self.stages))
     }
 
-    /// Whether a stage of it, arms included, is a sleep.
-    pub(crate) fn has_sleep(&self) -> bool {
+    /// The handlers workers run themselves for its stages, arms included: a sleep's, a
+    /// signal wait's with a timeout.
+    pub(crate) fn builtin_handlers(&self) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        for slot in self.plan().slots() {
+            let name = match slot.stage.kind() {
+                StageKind::Sleep { .. } => SLEEP_HANDLER,
+                StageKind::Signal {
+                    timeout_ms: Some(_),
+                    ..
+                } => SIGNAL_HANDLER,
+                _ => continue,
+            };
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names
+    }
+
+    /// The index of the signal wait named `name`, if it has one.
+    pub(crate) fn signal_stage(&self, name: &str) -> Option<usize> {
+        self.plan().slots().iter().position(|s| {
+            s.stage.name() == name && matches!(s.stage.kind(), StageKind::Signal { .. })
+        })
+    }
+
+    /// The names of its signal waits, arms included, in stage order.
+    pub fn signal_names(&self) -> Vec<&str> {
         self.plan()
             .slots()
             .iter()
-            .any(|s| matches!(s.stage.kind(), StageKind::Sleep { .. }))
+            .filter(|s| matches!(s.stage.kind(), StageKind::Signal { .. }))
+            .map(|s| s.stage.name())
+            .collect()
     }
 
     /// Every handler name the workflow needs, in stage order, arms included.

@@ -60,6 +60,17 @@ impl Workflow {
             match &stage.kind {
                 StageKind::Branch { by, arms, .. } => check_branch(&stage.name, by, arms)?,
                 StageKind::Sleep { for_ms, until } => check_sleep(&stage.name, *for_ms, until)?,
+                StageKind::Signal {
+                    timeout_ms,
+                    on_timeout,
+                } => {
+                    let next_is_map = self
+                        .plan()
+                        .next(index)
+                        .and_then(|i| self.stage_at(i))
+                        .is_some_and(|s| matches!(s.kind, StageKind::Map));
+                    check_signal(&stage.name, *timeout_ms, on_timeout, next_is_map)?
+                }
                 _ => {}
             }
             for handler in stage.handler_names() {
@@ -143,6 +154,30 @@ fn check_sleep(
         }
     };
     Err(DefinitionError::InvalidSleep {
+        stage: stage.to_owned(),
+        reason,
+    })
+}
+
+/// A signal wait's timeout must be one PostgreSQL can add, and its timeout output needs
+/// a timeout and must feed the next stage.
+fn check_signal(
+    stage: &str,
+    timeout_ms: Option<u64>,
+    on_timeout: &Option<serde_json::Value>,
+    next_is_map: bool,
+) -> Result<(), DefinitionError> {
+    let reason = match (timeout_ms, on_timeout) {
+        (Some(ms), _) if ms > MAX_SLEEP_MS => "its timeout is longer than 1 000 years",
+        (None, Some(_)) => {
+            "it has an output for timeouts (`on_timeout`) but no timeout: add `.within(duration)`"
+        }
+        (_, Some(output)) if next_is_map && !output.is_array() => {
+            "the next stage is a map, so its output for timeouts (`on_timeout`) must be a JSON array"
+        }
+        _ => return Ok(()),
+    };
+    Err(DefinitionError::InvalidSignal {
         stage: stage.to_owned(),
         reason,
     })
@@ -246,6 +281,14 @@ pub enum DefinitionError {
     /// A sleep stage without a usable wake time.
     #[error("sleep stage {stage:?} is invalid: {reason}")]
     InvalidSleep {
+        /// The stage.
+        stage: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A signal wait whose timeout cannot work.
+    #[error("signal stage {stage:?} is invalid: {reason}")]
+    InvalidSignal {
         /// The stage.
         stage: String,
         /// Why it is refused.

@@ -359,9 +359,10 @@ where
                                           WHERE s.group_id = g.id)
                     ELSE g.remaining END AS remaining,
                 g.fan_in, g.fired_at, g.created_at AS entered_at, g.branch,
-                CASE WHEN g.kind = 'sleep' THEN (
+                CASE WHEN g.kind IN ('sleep', 'signal') THEN (
                     SELECT t.run_at FROM confluo.task_all t
-                     WHERE t.group_id = g.id AND t.status = 'pending') END AS wakes_at,
+                     WHERE t.group_id = g.id AND t.status = 'pending'
+                       AND t.run_at < 'infinity') END AS wakes_at,
                 coalesce(m.attempts, 0)::int8 AS attempts,
                 m.pending, m.running, m.completed, m.dead, m.cancelled
            FROM confluo.stage_group g

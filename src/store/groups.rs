@@ -1,6 +1,7 @@
 //! The `stage_group` table (countdown rows) and the creation of a stage's members.
 
 use serde_json::Value;
+use sqlx::types::Json;
 use sqlx::PgConnection;
 
 use crate::definition::{BranchChoice, Stage, Workflow};
@@ -10,7 +11,7 @@ use crate::ids::{ExecutionId, GroupId};
 
 /// Where the members of a new stage come from.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum MemberSource {
+pub(crate) enum MemberSource<'a> {
     /// One member per handler name (a step's one, a parallel block's branches); each reads
     /// the stage input by reference when claimed.
     Handlers,
@@ -22,6 +23,9 @@ pub(crate) enum MemberSource {
     GroupOutputs(GroupId),
     /// A sleep's one task, run by the workers' own handler, due at `Wake`.
     Timer(Wake),
+    /// A signal wait's one task, completed by the signal, or at `Wake` by the workers'
+    /// own handler, which reads the input given here (what to do on a timeout).
+    Signal(Wake, &'a Value),
 }
 
 /// When a sleep's task is due.
@@ -31,6 +35,8 @@ pub(crate) enum Wake {
     After(i64),
     /// At this time.
     At(chrono::DateTime<chrono::Utc>),
+    /// Never (`infinity`): a signal wait without a timeout.
+    Never,
 }
 
 /// A striped group has one stripe per this many members...
@@ -64,7 +70,7 @@ pub(crate) async fn create_stage(
     workflow: &Workflow,
     stage_index: usize,
     input_stage: i32,
-    source: MemberSource,
+    source: MemberSource<'_>,
     fan_in: FanInStrategy,
 ) -> Result<i32> {
     let stage: &Stage = workflow
@@ -95,6 +101,7 @@ pub(crate) async fn create_stage(
         MemberSource::Timer(_) => {
             "SELECT $14::text AS handler, 'null'::jsonb AS input, 1::int8 AS ord"
         }
+        MemberSource::Signal(..) => "SELECT $14::text AS handler, $23::jsonb AS input, 1::int8 AS ord",
     };
     let sql = format!(
         "WITH src AS MATERIALIZED ({source_sql}),
@@ -131,7 +138,9 @@ pub(crate) async fn create_stage(
                     backoff_max_ms, backoff_jitter, timeout_ms, run_at)
             SELECT gen_random_uuid(), $2, $1, $6, $7, $3, src.handler, (src.ord - 1)::int,
                    src.input, $8, $9, $10, $11, $12, $13,
-                   COALESCE($22, now() + COALESCE($21, 0) * interval '1 millisecond')
+                   CASE WHEN $24 THEN 'infinity'::timestamptz
+                        ELSE COALESCE($22, now() + COALESCE($21, 0) * interval '1 millisecond')
+                   END
               FROM src
          )
          SELECT g.width FROM g
@@ -158,6 +167,7 @@ pub(crate) async fn create_stage(
         MemberSource::ExecutionInput => query.bind(None::<GroupId>),
         MemberSource::StepOutput(g) | MemberSource::GroupOutputs(g) => query.bind(g),
         MemberSource::Timer(_) => query.bind(crate::definition::SLEEP_HANDLER.to_owned()),
+        MemberSource::Signal(..) => query.bind(crate::definition::SIGNAL_HANDLER.to_owned()),
     };
     let query = query
         .bind(fan_in.as_str())
@@ -166,12 +176,24 @@ pub(crate) async fn create_stage(
         .bind(crate::store::TASKS_CHANNEL)
         .bind(STRIPE_RUN)
         .bind(input_stage);
-    let (after, at) = match source {
-        MemberSource::Timer(Wake::After(ms)) => (Some(ms), None),
-        MemberSource::Timer(Wake::At(at)) => (None, Some(at)),
+    let (wake, input) = match source {
+        MemberSource::Timer(wake) => (Some(wake), None),
+        MemberSource::Signal(wake, input) => (Some(wake), Some(Json(input))),
         _ => (None, None),
     };
-    Ok(query.bind(after).bind(at).fetch_one(conn).await?)
+    let (after, at) = match wake {
+        Some(Wake::After(ms)) => (Some(ms), None),
+        Some(Wake::At(at)) => (None, Some(at)),
+        _ => (None, None),
+    };
+    let never = matches!(wake, Some(Wake::Never));
+    Ok(query
+        .bind(after)
+        .bind(at)
+        .bind(input)
+        .bind(never)
+        .fetch_one(conn)
+        .await?)
 }
 
 /// Records a branch's choice as a group of width 0, fired at once (a branch runs no task),
@@ -263,7 +285,8 @@ pub(crate) async fn create_first_stages(
     Ok(())
 }
 
-/// The output of a group as the next stage sees it: a step's own output; for a map
+/// The output of a group as the next stage sees it: a step's own output (a signal wait's:
+/// the payload or the timeout output); for a map
 /// `{"outputs": [..successful outputs in item order..], "failed": [..]}`; for a parallel
 /// block `{"outputs": {branch: output}, "failed": [..]}`; for a conditional branch or a
 /// sleep, which pass their input on, the execution input (a branch's or a sleep's group
@@ -293,9 +316,8 @@ pub(crate) fn output_expression() -> String {
     };
     format!(
         "CASE g.kind
-            WHEN 'step' THEN (
-                SELECT COALESCE(t.output, 'null'::jsonb)::json FROM confluo.task_all t
-                 WHERE t.group_id = g.id LIMIT 1)
+            WHEN 'step' THEN ({one_output})
+            WHEN 'signal' THEN ({one_output})
             WHEN 'parallel' THEN (
                 SELECT json_build_object(
                     'outputs', COALESCE(json_object_agg(t.handler, t.output)
@@ -314,7 +336,9 @@ pub(crate) fn output_expression() -> String {
         failed("t.handler"),
         failed("NULL"),
         execution_input =
-            "SELECT x.input::json FROM confluo.execution x WHERE x.id = g.execution_id"
+            "SELECT x.input::json FROM confluo.execution x WHERE x.id = g.execution_id",
+        one_output = "SELECT COALESCE(t.output, 'null'::jsonb)::json FROM confluo.task_all t
+                       WHERE t.group_id = g.id LIMIT 1"
     )
 }
 
@@ -326,12 +350,13 @@ pub(crate) async fn unmappable(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     stage: &str,
-    source: MemberSource,
+    source: MemberSource<'_>,
 ) -> Result<Option<String>> {
     let shape: Option<(String, Option<i32>)> = match source {
-        MemberSource::Handlers | MemberSource::GroupOutputs(_) | MemberSource::Timer(_) => {
-            return Ok(None)
-        }
+        MemberSource::Handlers
+        | MemberSource::GroupOutputs(_)
+        | MemberSource::Timer(_)
+        | MemberSource::Signal(..) => return Ok(None),
         MemberSource::ExecutionInput => {
             super::query_as(
                 "SELECT jsonb_typeof(input),

@@ -8,7 +8,8 @@
 //!
 //! A transaction may skip a kind, never go back to an earlier one and wait. So every path
 //! that may fire a group, stop an execution or count a group back up takes the
-//! execution's lock first: a cancel, a deadline time-out, a fail-fast dead letter, a
+//! execution's lock first: a signal (which also serialises it with the entry of its wait),
+//! a cancel, a deadline time-out, a fail-fast dead letter, a
 //! reprocess (and the move of an archived execution's tasks back that it starts with), a
 //! single completion that may be its group's last, a repair. An archive locks the ended
 //! executions it moves before it deletes their tasks, oldest first rather than in id

@@ -37,7 +37,7 @@ pub(crate) async fn stage_output_within(
          ), size AS (
             -- Per group (a subquery on its id), so that both tables are read by their
             -- (group_id, item_index) index whatever their statistics.
-            SELECT CASE WHEN g.kind = 'step' THEN 0
+            SELECT CASE WHEN g.kind IN ('step', 'signal') THEN 0
                         ELSE COALESCE((SELECT sum(pg_column_size(t.output))
                                          FROM confluo.task_all t WHERE t.group_id = g.id), 0)
                    END::int8 AS stored

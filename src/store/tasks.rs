@@ -49,7 +49,8 @@ pub(crate) struct HandlerKeys {
 }
 
 /// What a claimed row carries besides the task: its input resolved in the claim
-/// statement, unless its input stage was a block (a parallel or map stage's outputs
+/// statement (the execution input, or a step's or a signal wait's one output), unless its
+/// input stage was a block (a parallel or map stage's outputs
 /// are aggregated when the task runs, not copied into every claim), and the statuses that
 /// decide how the attempt is run and acknowledged. Reads the task as `t` and its group as
 /// `g`; the input stage is `groups::input_stage_of("g")`.
@@ -64,7 +65,7 @@ const CLAIMED_COLUMNS: &str = "
                  FROM confluo.stage_group pg JOIN confluo.task p ON p.group_id = pg.id
                 WHERE pg.execution_id = t.execution_id
                   AND pg.stage_index = COALESCE(g.input_stage, g.stage_index - 1)
-                  AND pg.kind = 'step'
+                  AND pg.kind IN ('step', 'signal')
                 LIMIT 1)
     END AS input,
     COALESCE(g.input_stage, g.stage_index - 1) AS input_stage,

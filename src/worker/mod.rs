@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::claimed::ClaimedTask;
-use crate::definition::SLEEP_HANDLER;
+use crate::definition::{timed_out, SIGNAL_HANDLER};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::handler::{FnHandler, Handler, TaskContext, TaskError};
@@ -373,15 +373,14 @@ impl WorkerBuilder {
                     });
                 }
             }
-            // Sleeps are woken by the worker's own handler, for every version that has one
-            // (older executions may still be asleep in an older version).
+            // Sleeps are woken, and signal waits timed out, by the worker's own handlers,
+            // for every version that has them (older executions may still be waiting in
+            // an older version).
             let versions = workflows::all(self.engine.pool(), Some(workflow.as_str())).await?;
-            if versions.iter().any(|(w, _)| w.has_sleep()) {
+            for name in versions.iter().flat_map(|(w, _)| w.builtin_handlers()) {
                 self.handlers
-                    .entry((workflow.clone(), SLEEP_HANDLER.to_owned()))
-                    .or_insert_with(|| {
-                        Arc::new(FnHandler(|_: TaskContext| async { Ok::<_, TaskError>(()) }))
-                    });
+                    .entry((workflow.clone(), name.to_owned()))
+                    .or_insert_with(|| builtin_handler(name));
             }
         }
         let mut keys = HandlerKeys::default();
@@ -655,4 +654,16 @@ async fn give_back(state: &State, held: Vec<Held>) {
         }
     }
     state.waiting.lock().expect("waiting set poisoned").clear();
+}
+
+/// The handler workers run themselves for `name`: a sleep wakes with a `null` output; a
+/// signal wait whose deadline passed gives its timeout output, or fails for good.
+fn builtin_handler(name: &str) -> Arc<dyn Handler> {
+    if name == SIGNAL_HANDLER {
+        Arc::new(FnHandler(|ctx: TaskContext| async move {
+            timed_out(ctx.input()).map_err(TaskError::permanent)
+        }))
+    } else {
+        Arc::new(FnHandler(|_: TaskContext| async { Ok::<_, TaskError>(()) }))
+    }
 }

@@ -20,6 +20,9 @@ pub struct Seen {
     pub killed_connections: AtomicU64,
     pub killed_workers: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Signals received by a waiting execution, and kept for one not there yet.
+    pub signals_received: AtomicU64,
+    pub signals_kept: AtomicU64,
 }
 
 impl Seen {
@@ -228,19 +231,48 @@ impl Processes {
     }
 }
 
+/// A running execution picked at random (`None` also when the query fails, e.g. on a
+/// killed connection).
+async fn random_running(engine: &Engine) -> Option<confluo::ExecutionId> {
+    sqlx::query_scalar(
+        "SELECT id FROM confluo.execution WHERE status = 'running' ORDER BY random() LIMIT 1",
+    )
+    .fetch_optional(engine.pool())
+    .await
+    .ok()
+    .flatten()
+}
+
+/// The approver: every few milliseconds, signals a running execution picked at random,
+/// whatever it is doing (before its wait, while it waits, as it times out, twice), with
+/// `{"approved": <its id>}`. The checks then find each wait completed once, by its signal
+/// or its timeout.
+pub async fn signals(engine: Engine, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let picked = random_running(&engine).await;
+        let Some(id) = picked else { continue };
+        let payload = serde_json::json!({ "approved": id });
+        // An error (e.g. a killed connection) records nothing; the run goes on.
+        match engine.signal(id, super::handlers::SIGNAL, payload).await {
+            Ok(confluo::SignalOutcome::Received) => {
+                seen.signals_received.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(confluo::SignalOutcome::Kept) => {
+                seen.signals_kept.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(_) | Err(_) => {}
+        }
+    }
+}
+
 /// Now and then cancels a running execution, whatever it is doing (its groups may be
 /// firing at that very moment).
 pub async fn cancels(engine: Engine, per_second: f64, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
     let pause = Duration::from_secs_f64(1.0 / per_second);
     while !stop.load(Ordering::Relaxed) {
         tokio::time::sleep(pause).await;
-        let picked: Option<confluo::ExecutionId> = sqlx::query_scalar(
-            "SELECT id FROM confluo.execution WHERE status = 'running' ORDER BY random() LIMIT 1",
-        )
-        .fetch_optional(engine.pool())
-        .await
-        .ok()
-        .flatten();
+        let picked = random_running(&engine).await;
         // An error (e.g. a killed connection) cancels nothing; the run goes on.
         if let Some(id) = picked {
             if let Ok(true) = engine.cancel(id).await {

@@ -58,7 +58,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                     count(g.fired_at) || ' fired'
                FROM confluo.execution e LEFT JOIN confluo.stage_group g ON g.execution_id = e.id
               WHERE e.status = 'completed'
-              GROUP BY e.id HAVING count(g.id) <> 7 OR count(g.fired_at) <> 7 LIMIT 5",
+              GROUP BY e.id HAVING count(g.id) <> 8 OR count(g.fired_at) <> 8 LIMIT 5",
         )
         .await?,
     );
@@ -152,6 +152,33 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                          CASE WHEN s.total % 2 = 0 THEN 'even' ELSE 'odd' END
                      OR a.arms IS DISTINCT FROM b.branch ->> 'arm'
                      OR s.totals LIKE '%,%')
+              LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "every completed execution's wait completed once: by its own signal or its timeout",
+        rows(
+            pool,
+            "SELECT e.id || ': ' || count(t.id) || ' wait tasks, ' ||
+                    string_agg(t.status || ' by ' || COALESCE(t.worker_id, '-') || ' with '
+                               || COALESCE(t.output::text, '-'), '; ')
+                    || ', kept ' || COALESCE(min(s.payload::text), 'nothing')
+               FROM confluo.execution e
+               JOIN confluo.stage_group g ON g.execution_id = e.id AND g.kind = 'signal'
+               LEFT JOIN confluo.task_all t ON t.group_id = g.id
+               LEFT JOIN confluo.signal s ON s.execution_id = e.id AND s.name = g.stage_name
+               LEFT JOIN confluo.task_all u ON u.execution_id = e.id AND u.handler = 'total'
+                    AND u.status = 'completed'
+              WHERE e.status = 'completed'
+              GROUP BY e.id
+             HAVING count(t.id) <> 1
+                 OR bool_or(t.status <> 'completed')
+                 OR NOT bool_and(
+                        CASE WHEN t.worker_id = 'confluo:signal'
+                             THEN t.output = s.payload AND t.output ->> 'approved' = e.id::text
+                             ELSE t.output = '{\"approved\": null}'::jsonb END)
+                 OR min(u.output::text) IS DISTINCT FROM min(t.output::text)
               LIMIT 5",
         )
         .await?,

@@ -17,10 +17,12 @@ pub const MEMBER_TIMEOUT: Duration = Duration::from_secs(1);
 /// split (a step) -> member (a map, faults) -> left | right (a parallel block that
 /// records what it received) -> parity (a conditional branch on the parity of left's
 /// total: `even` or `odd`, a step each, passing the block's output on) -> rest (a durable
-/// sleep of 20 ms, passing it on again) -> total (a step).
+/// sleep of 20 ms, passing it on again) -> approval (a signal wait, sent by the run's
+/// approver at any moment of an execution, or timed out after 300 ms with `{"approved":
+/// null}`) -> total (a step, returning what the wait gave it).
 ///
 /// Stages as numbered: split 0, member 1, checks 2, parity 3, even 4, odd 5, rest 6,
-/// total 7.
+/// approval 7, total 8.
 pub fn workflow() -> Workflow {
     let retry =
         RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
@@ -35,8 +37,16 @@ pub fn workflow() -> Workflow {
                 .on("odd", [Stage::step("odd").retry(retry)]),
         )
         .stage(Stage::sleep("rest", Duration::from_millis(20)))
+        .stage(
+            Stage::signal(SIGNAL)
+                .within(Duration::from_millis(300))
+                .on_timeout(json!({"approved": null})),
+        )
         .step("total")
 }
+
+/// The signal the approval stage waits for: its payload is `{"approved": <execution id>}`.
+pub const SIGNAL: &str = "approval";
 
 /// The handlers of the stress workflow.
 pub const HANDLERS: [&str; 7] = ["split", "member", "left", "right", "even", "odd", "total"];
@@ -179,9 +189,11 @@ impl Context {
                 output["arm"] = json!(task.handler);
                 Ok(output)
             }
-            "total" => Ok(input["outputs"]["left"]["total"].clone()),
+            "total" => Ok(input.clone()),
             // A sleep's task, when the rogue client claims one (workers run it themselves).
             "confluo:sleep" => Ok(Value::Null),
+            // A signal wait's timeout, likewise: the output the stage gives on a timeout.
+            "confluo:signal" => Ok(input["on_timeout"].clone()),
             other => Err(TaskError::permanent(format!("no stress handler {other}"))),
         }
     }

@@ -362,6 +362,11 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
             seen.clone(),
         )));
     }
+    // Not a fault: the workflow waits for approvals, and this sends them.
+    {
+        let e = Engine::new(pool(&options, 2, "confluo-stress-approver").await?);
+        chaos_tasks.push(tokio::spawn(chaos::signals(e, stop.clone(), seen.clone())));
+    }
     if args.kill_connection_every_ms > 0 {
         let every = Duration::from_millis(args.kill_connection_every_ms);
         chaos_tasks.push(tokio::spawn(chaos::kill_connections(
@@ -550,6 +555,14 @@ async fn summary(
         seen.cancelled.load(Ordering::Relaxed).to_string(),
     );
     line("  deadlines set", deadlines.to_string());
+    line(
+        "  signals received / kept",
+        format!(
+            "{} / {}",
+            seen.signals_received.load(Ordering::Relaxed),
+            seen.signals_kept.load(Ordering::Relaxed)
+        ),
+    );
     line(
         "  connection killed",
         seen.killed_connections.load(Ordering::Relaxed).to_string(),

@@ -1,4 +1,5 @@
-//! Executions: start, list, get, cancel; one stage's members, and one member in full.
+//! Executions: start, list, get, cancel, signal; one stage's members, and one member in
+//! full.
 
 use std::time::Duration;
 
@@ -7,7 +8,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use confluo::{
     Execution, ExecutionId, ExecutionStatus, ExecutionSummary, ListFilter, MemberDetail,
-    MemberFilter, MemberPage, MemberStatus, StartOptions, TaskId,
+    MemberFilter, MemberPage, MemberStatus, SignalOutcome, StartOptions, TaskId,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -190,6 +191,71 @@ pub(crate) async fn cancel(
         "already_ended",
         format!("execution {id} is {status}: only a running execution can be cancelled"),
     ))
+}
+
+/// What a signal did.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct SignalResponse {
+    /// `received` (the wait completed with the payload, and the execution went on),
+    /// `kept` (the execution has not reached the wait yet: it receives it on arrival) or
+    /// `already_received` (a signal of this name came before: this one changed nothing,
+    /// so a duplicated delivery is harmless). A signal too late for its wait, or to an
+    /// execution that has ended, answers 409.
+    #[schema(example = "received")]
+    outcome: &'static str,
+}
+
+/// Sends the signal `name` to an execution, for its `Stage::signal` wait of that name.
+/// The request body is the payload (any JSON), the wait's output.
+#[utoipa::path(
+    post, path = "/api/v1/executions/{id}/signals/{name}", tag = "executions",
+    params(
+        ("id" = Uuid, Path, description = "The execution"),
+        ("name" = String, Path, description = "The signal: the name of the wait stage"),
+    ),
+    request_body(content = Object, description = "The payload: any JSON"),
+    responses(
+        (status = 200, description = "Received, kept, or a duplicate", body = SignalResponse),
+        (status = 400, description = "The payload cannot feed the next stage", body = ApiError),
+        (status = 404, description = "No such execution, or no wait of that name", body = ApiError),
+        (status = 409, description = "Too late for its wait, or the execution has ended", body = ApiError),
+    )
+)]
+pub(crate) async fn signal(
+    State(state): State<AppState>,
+    PathOf((id, name)): PathOf<(Uuid, String)>,
+    Body(payload): Body<Value>,
+) -> Result<Json<SignalResponse>, ApiError> {
+    let id = ExecutionId(id);
+    let outcome = match state.engine.signal(id, &name, payload).await? {
+        SignalOutcome::Received => "received",
+        SignalOutcome::Kept => "kept",
+        SignalOutcome::AlreadyReceived => "already_received",
+        SignalOutcome::TooLate => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "signal_too_late",
+                format!(
+                    "execution {id} is past its wait for {name:?} (it timed out): nothing kept"
+                ),
+            ))
+        }
+        SignalOutcome::Ended(status) => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "already_ended",
+                format!("execution {id} is {status}: nothing kept"),
+            ))
+        }
+        other => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "signal_refused",
+                format!("execution {id}: {other:?}"),
+            ))
+        }
+    };
+    Ok(Json(SignalResponse { outcome }))
 }
 
 /// Which page of members to list.

@@ -25,6 +25,7 @@ pub(crate) fn routes(state: AppState) -> Router {
         .route("/executions", get(executions::list).post(executions::start))
         .route("/executions/{id}", get(executions::get))
         .route("/executions/{id}/cancel", post(executions::cancel))
+        .route("/executions/{id}/signals/{name}", post(executions::signal))
         .route(
             "/executions/{id}/stages/{stage}/members",
             get(executions::members),
