@@ -21,14 +21,15 @@ pub enum SignalOutcome {
     /// The execution was waiting for it: the wait completed with the payload as its
     /// output, and what follows it was entered, in the signal's transaction.
     Received,
-    /// The execution has not reached the wait yet: the signal is kept, and the wait
-    /// receives it the moment it is entered.
+    /// The execution has not entered the wait: the signal is kept, and the wait receives
+    /// it the moment it is entered (if it never is, e.g. on another arm of a branch, the
+    /// signal changes nothing).
     Kept,
     /// The execution already has a signal of this name, received or kept: this one
     /// changed nothing, and the first payload stands.
     AlreadyReceived,
     /// The wait is over without it (it timed out, or a worker is timing it out right
-    /// now, or the execution took another branch's path past it): nothing was kept.
+    /// now): nothing was kept.
     TooLate,
     /// The execution has ended, with this status: nothing was kept.
     Ended(ExecutionStatus),
