@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 use crate::store::groups::{MemberSource, Wake};
-use crate::store::{executions, fan_in, groups, signals};
+use crate::store::{children, executions, fan_in, groups, signals, workflows};
 
 /// The group whose output a stage receives: its id, kind and stage index.
 #[derive(Clone, Copy, Debug)]
@@ -75,6 +75,7 @@ pub(crate) async fn fire_many(
             continue;
         };
         let entered = enter(
+            engine,
             conn,
             row.execution_id,
             &workflow,
@@ -139,6 +140,7 @@ async fn transition(
         return Ok(true);
     };
     enter(
+        engine,
         conn,
         execution_id,
         &workflow,
@@ -183,6 +185,7 @@ fn stored_kind(kind: &str) -> &'static str {
         "branch" => "branch",
         "sleep" => "sleep",
         "signal" => "signal",
+        "map_workflow" => "map_workflow",
         _ => "step",
     }
 }
@@ -199,6 +202,7 @@ fn stored_kind(kind: &str) -> &'static str {
 /// with the reason recorded on it. Returns the group of the stage it entered with members
 /// (`None`: the execution ended).
 pub(crate) async fn enter(
+    engine: &Engine,
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     workflow: &Workflow,
@@ -264,9 +268,9 @@ pub(crate) async fn enter(
             _ => None,
         };
         let source = match (stage.kind(), input) {
-            (StageKind::Map, None) => MemberSource::ExecutionInput,
-            (StageKind::Map, Some(i)) if one_output(i.kind) => MemberSource::StepOutput(i.group),
-            (StageKind::Map, Some(i)) => MemberSource::GroupOutputs(i.group),
+            (k, None) if k.maps() => MemberSource::ExecutionInput,
+            (k, Some(i)) if k.maps() && one_output(i.kind) => MemberSource::StepOutput(i.group),
+            (k, Some(i)) if k.maps() => MemberSource::GroupOutputs(i.group),
             (StageKind::Sleep { for_ms, until }, _) => {
                 match wake(conn, execution_id, stage.name(), *for_ms, until, input).await? {
                     Ok(wake) => MemberSource::Timer(wake),
@@ -319,6 +323,23 @@ pub(crate) async fn enter(
             };
             let received = signals::hand_over(conn, execution_id, stage.name(), &payload).await?;
             debug_assert!(received.is_some(), "the wait entered here is pending");
+        } else if let (StageKind::MapWorkflow { workflow, version }, true) =
+            (stage.kind(), width > 0)
+        {
+            let started = start_children(
+                engine,
+                conn,
+                group_id,
+                stage.name(),
+                workflow,
+                *version,
+                default_fan_in,
+            );
+            if let Err(error) = Box::pin(started).await? {
+                executions::stop(conn, execution_id, "failed", Some(&error)).await?;
+                return Ok(None);
+            }
+            return Ok(Some(group_id));
         } else if width > 0 {
             return Ok(Some(group_id));
         }
@@ -330,6 +351,49 @@ pub(crate) async fn enter(
         });
         index = slot.next;
     }
+}
+
+/// Starts the children of the map of child workflows `stage` just entered (group
+/// `group`, with members): one execution of `workflow` (at `version`, else its latest)
+/// per member, each entering its first stage, in the caller's transaction. `Err` with the
+/// reason the parent fails when the workflow is gone or a member's input cannot start it.
+async fn start_children(
+    engine: &Engine,
+    conn: &mut PgConnection,
+    group: GroupId,
+    stage: &str,
+    workflow: &str,
+    version: Option<i32>,
+    fan_in: FanInStrategy,
+) -> Result<std::result::Result<(), String>> {
+    let version = match version {
+        Some(v) => v,
+        None => match workflows::latest_version(&mut *conn, workflow).await {
+            Ok(v) => v,
+            Err(crate::Error::WorkflowNotFound { .. }) => {
+                return Ok(Err(format!(
+                    "stage {stage:?} maps over workflow {workflow}, which is not registered"
+                )))
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    let child = engine.definition(&mut *conn, workflow, version).await?;
+    let first = &child.stages()[0];
+    if first.kind().maps() {
+        let max = crate::MAX_MAP_WIDTH as i64;
+        if let Some((item, found)) = children::unfit_input(conn, group, max).await? {
+            return Ok(Err(format!(
+                "stage {stage:?} cannot start workflow {workflow} v{version} for item {item}: its \
+                 first stage {:?} maps over its input, which must be a JSON array of at most \
+                 {max} elements, and the item is {found}",
+                first.name()
+            )));
+        }
+    }
+    let ids = children::start(conn, group, &child, fan_in).await?;
+    enter_first_stage_many(engine, conn, &child, &ids, fan_in).await?;
+    Ok(Ok(()))
 }
 
 /// Whether a group of this kind has one member whose output is the group's (a step, a
@@ -390,6 +454,7 @@ async fn wake(
 /// at once), a branch (which decides on each input) or a striped stage per execution,
 /// through [`enter`].
 pub(crate) async fn enter_first_stage_many(
+    engine: &Engine,
     conn: &mut PgConnection,
     workflow: &Workflow,
     executions: &[ExecutionId],
@@ -404,7 +469,7 @@ pub(crate) async fn enter_first_stage_many(
         || fan_in == FanInStrategy::Striped
     {
         for &id in executions {
-            enter(conn, id, workflow, Some(0), None, default_fan_in).await?;
+            enter(engine, conn, id, workflow, Some(0), None, default_fan_in).await?;
         }
         return Ok(());
     }

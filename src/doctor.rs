@@ -8,8 +8,8 @@ use serde::Serialize;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::ids::{ExecutionId, GroupId};
-use crate::store::{audit, locks, signals};
+use crate::ids::{ExecutionId, GroupId, TaskId};
+use crate::store::{audit, children, locks, signals};
 
 /// What [`Engine::doctor`] found. Empty on a healthy database.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -25,6 +25,12 @@ pub struct Diagnosis {
     pub stalled_executions: Vec<GroupRef>,
     /// Signals kept for a wait that is pending: a signal that was never received.
     pub unreceived_signals: Vec<SignalRef>,
+    /// Child workflows' executions that ended while their member in a running parent
+    /// still waits (`infinity`): an end that was never reported.
+    pub unreported_children: Vec<ChildRef>,
+    /// Running child workflows' executions of a parent that has ended, which nothing is
+    /// cancelling.
+    pub orphaned_children: Vec<ExecutionId>,
 }
 
 impl Diagnosis {
@@ -34,6 +40,8 @@ impl Diagnosis {
             && self.unfired_groups.is_empty()
             && self.stalled_executions.is_empty()
             && self.unreceived_signals.is_empty()
+            && self.unreported_children.is_empty()
+            && self.orphaned_children.is_empty()
     }
 
     /// Number of findings.
@@ -42,6 +50,8 @@ impl Diagnosis {
             + self.unfired_groups.len()
             + self.stalled_executions.len()
             + self.unreceived_signals.len()
+            + self.unreported_children.len()
+            + self.orphaned_children.len()
     }
 
     /// True when nothing was found (the same as [`is_healthy`](Self::is_healthy)).
@@ -91,6 +101,16 @@ pub struct SignalRef {
     pub name: String,
 }
 
+/// A child workflow's execution and its member in the parent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ChildRef {
+    /// The child execution.
+    pub execution_id: ExecutionId,
+    /// Its member task in the parent.
+    pub member: TaskId,
+}
+
 /// What [`Engine::repair`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
@@ -105,6 +125,10 @@ pub struct Repairs {
     pub executions_advanced: usize,
     /// Kept signals handed to their pending waits.
     pub signals_received: usize,
+    /// Ended children whose members were made due (their end reported).
+    pub children_reported: usize,
+    /// Orphaned children cancelled.
+    pub orphans_cancelled: usize,
 }
 
 impl From<audit::GroupRow> for GroupRef {
@@ -121,7 +145,8 @@ impl Engine {
     /// Audits the database for states the engine's transitions never commit: counters
     /// that disagree with their members, groups whose members are all terminal that never
     /// fired, running executions with nothing left to run, signals kept while their wait
-    /// is pending. Read-only; each kind of
+    /// is pending, child workflows' ends never reported to their parent, running children
+    /// of ended parents that nothing cancels. Read-only; each kind of
     /// finding is read in one statement, so concurrent work cannot produce a false one.
     ///
     /// ```no_run
@@ -145,6 +170,8 @@ impl Engine {
         let unfired = audit::unfired_groups(&mut conn).await?;
         let stalled = audit::stalled_executions(&mut conn).await?;
         let unreceived = signals::unreceived(&mut *conn, 1_000).await?;
+        let unreported = children::unreported(&mut *conn, 1_000).await?;
+        let orphaned = children::orphans(&mut *conn, 1_000).await?;
         Ok(Diagnosis {
             counter_mismatches: counters
                 .into_iter()
@@ -163,13 +190,22 @@ impl Engine {
                 .into_iter()
                 .map(|(execution_id, name)| SignalRef { execution_id, name })
                 .collect(),
+            unreported_children: unreported
+                .into_iter()
+                .map(|(execution_id, member)| ChildRef {
+                    execution_id,
+                    member,
+                })
+                .collect(),
+            orphaned_children: orphaned,
         })
     }
 
     /// Audits (as [`doctor`](Self::doctor)) and re-drives what it finds: re-counts
     /// disagreeing counters from their members, fires unfired groups (dispatching their
     /// next stage exactly once: the group's fired marker still guards it), moves
-    /// stalled executions on, and hands kept signals to their pending waits. Each repair is a transaction of its own that locks what it
+    /// stalled executions on, hands kept signals to their pending waits, makes the members
+    /// of ended children due, and cancels orphaned children. Each repair is a transaction of its own that locks what it
     /// touches in the order completions do (stripes, then the group, then the execution)
     /// and re-checks its finding first, so repairing while workers run, or twice, is safe.
     ///
@@ -253,6 +289,19 @@ impl Engine {
                 repairs.signals_received += 1;
             }
             tx.commit().await?;
+        }
+        for child in &found.unreported_children {
+            let mut tx = crate::store::begin(self.pool()).await?;
+            if children::wake_member(&mut tx, child.member).await? {
+                repairs.children_reported += 1;
+            }
+            tx.commit().await?;
+        }
+        if !found.orphaned_children.is_empty() {
+            let mut tx = crate::store::begin(self.pool()).await?;
+            children::cascade_orphans(&mut tx, &found.orphaned_children).await?;
+            tx.commit().await?;
+            repairs.orphans_cancelled = self.cancel_orphans(usize::MAX).await?;
         }
         repairs.found = found;
         Ok(repairs)

@@ -185,13 +185,36 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::InvalidDefinition`] for an invalid definition;
-    /// [`Error::DefinitionConflict`] if this name and version hold another definition.
+    /// [`Error::DefinitionConflict`] if this name and version hold another definition;
+    /// [`Error::UnknownChildWorkflow`] when a [`Stage::map_workflow`](crate::Stage::map_workflow)
+    /// names a workflow (or version) not registered yet (a workflow may map over its own
+    /// name: a tree walk, which ends where an input array is empty).
     ///
     /// # Cancel safety
-    /// One statement: dropped, the definition is stored or not; registering it again is a
-    /// no-op if it was.
+    /// Reads, then one statement: dropped, the definition is stored or not; registering it
+    /// again is a no-op if it was.
     pub async fn register(&self, workflow: &Workflow) -> Result<()> {
         workflow.validate()?;
+        for (stage, child, version) in workflow.child_workflows() {
+            let itself =
+                child == workflow.name() && version.is_none_or(|v| v == workflow.version());
+            if itself {
+                continue;
+            }
+            match workflows::load(&self.inner.pool, child, version).await {
+                Err(Error::WorkflowNotFound { .. }) => {
+                    return Err(Error::UnknownChildWorkflow {
+                        workflow: workflow.name().to_owned(),
+                        stage: stage.to_owned(),
+                        child: child.to_owned(),
+                        version,
+                    })
+                }
+                other => {
+                    other?;
+                }
+            }
+        }
         workflows::register(&self.inner.pool, workflow).await?;
         self.cache(workflow.clone());
         Ok(())
@@ -264,6 +287,7 @@ impl Engine {
             updated_at: row.updated_at,
             finished_at: row.finished_at,
             deadline: row.deadline_at,
+            parent: row.parent_execution,
         })
     }
 
@@ -307,7 +331,10 @@ impl Engine {
 
     /// Cancels a running execution: its pending tasks are cancelled in the same
     /// transaction, so queued work never runs; members already running may finish, but
-    /// nothing is dispatched after them. Returns false if it was not running.
+    /// nothing is dispatched after them. Its child workflows' executions (and theirs)
+    /// are cancelled next, before this returns, in transactions of their own
+    /// ([`cancel_orphans`](Self::cancel_orphans)); should that fail, workers' housekeeping
+    /// finishes it. Returns false if it was not running.
     ///
     /// # Errors
     /// [`Error::ExecutionNotFound`]; [`Error::Database`].
@@ -326,6 +353,8 @@ impl Engine {
         if !stopped {
             // Not running: tell a finished execution from one that does not exist.
             self.status(id).await?;
+        } else if let Err(error) = self.cancel_orphans(usize::MAX).await {
+            tracing::warn!(%error, execution_id = %id, "cancelling the children of a cancelled execution failed: workers' housekeeping will");
         }
         Ok(stopped)
     }

@@ -32,6 +32,24 @@ pub enum Error {
         version: Option<i32>,
     },
 
+    /// A [`Stage::map_workflow`](crate::Stage::map_workflow) names a workflow (or version)
+    /// that is not registered.
+    #[error(
+        "stage {stage:?} of workflow {workflow} maps over workflow {child}{}, which is not \
+         registered: register the child workflow first",
+        version.map(|v| format!(" v{v}")).unwrap_or_default()
+    )]
+    UnknownChildWorkflow {
+        /// The workflow being registered.
+        workflow: String,
+        /// Its stage.
+        stage: String,
+        /// The child workflow named.
+        child: String,
+        /// The version pinned, if any.
+        version: Option<i32>,
+    },
+
     /// No execution has this id.
     #[error("execution {0} not found")]
     ExecutionNotFound(crate::ExecutionId),

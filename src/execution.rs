@@ -118,6 +118,9 @@ pub struct Execution {
     pub finished_at: Option<DateTime<Utc>>,
     /// When it times out, if it was started with a deadline.
     pub deadline: Option<DateTime<Utc>>,
+    /// The execution whose [`Stage::map_workflow`](crate::Stage::map_workflow) started it,
+    /// for a child workflow's execution.
+    pub parent: Option<ExecutionId>,
 }
 
 /// Progress of one stage's group.

@@ -59,6 +59,7 @@ mod activity;
 mod archive;
 mod batch;
 mod callback;
+mod children;
 mod claimed;
 mod connect;
 mod dead_letters;
@@ -97,7 +98,7 @@ pub use definition::{
     Arm, Branch, BranchChoice, DefinitionError, OnMemberFailure, RetryPolicy, SignalWait, Stage,
     StageKind, Workflow,
 };
-pub use doctor::{CounterMismatch, Diagnosis, GroupRef, Repairs, SignalRef};
+pub use doctor::{ChildRef, CounterMismatch, Diagnosis, GroupRef, Repairs, SignalRef};
 pub use engine::{Engine, EngineBuilder};
 pub use error::{ConnectError, Error, Result};
 pub use execution::{

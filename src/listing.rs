@@ -25,6 +25,9 @@ pub struct ListFilter {
     pub workflow: Option<String>,
     /// Only executions in this status.
     pub status: Option<ExecutionStatus>,
+    /// Only the child workflows' executions this execution started
+    /// ([`Stage::map_workflow`](crate::Stage::map_workflow)).
+    pub parent: Option<ExecutionId>,
     /// At most this many (default 50).
     pub limit: usize,
 }
@@ -34,6 +37,7 @@ impl Default for ListFilter {
         ListFilter {
             workflow: None,
             status: None,
+            parent: None,
             limit: 50,
         }
     }
@@ -54,6 +58,13 @@ impl ListFilter {
     /// Only executions in `status`.
     pub fn status(mut self, status: ExecutionStatus) -> Self {
         self.status = Some(status);
+        self
+    }
+
+    /// Only the children `parent` started (its [`Stage::map_workflow`](crate::Stage::map_workflow)
+    /// stages' executions).
+    pub fn parent(mut self, parent: ExecutionId) -> Self {
+        self.parent = Some(parent);
         self
     }
 
@@ -201,6 +212,7 @@ impl Engine {
             self.pool(),
             filter.workflow.as_deref(),
             filter.status.map(ExecutionStatus::as_str),
+            filter.parent,
             i64::try_from(filter.limit).unwrap_or(i64::MAX),
         )
         .await?;

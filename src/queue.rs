@@ -318,7 +318,7 @@ impl Engine {
             .plan()
             .next(task.stage_index)
             .and_then(|i| workflow.stage_at(i));
-        let next_is_map = matches!(next.map(|s| s.kind()), Some(StageKind::Map));
+        let next_is_map = next.is_some_and(|s| s.kind().maps());
         let next_name = next.map_or("", |s| s.name());
         let stage = workflow
             .stage_at(task.stage_index)

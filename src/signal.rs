@@ -11,7 +11,6 @@ use crate::error::{retry_conflicts, Error, Result};
 use crate::execution::ExecutionStatus;
 use crate::ids::ExecutionId;
 use crate::store::{executions, fan_in, locks, signals};
-use crate::StageKind;
 
 /// What [`Engine::signal`] did with a signal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -166,7 +165,7 @@ fn unfit_payload(workflow: &crate::Workflow, index: usize, payload: &Value) -> O
         .plan()
         .next(index)
         .and_then(|i| workflow.stage_at(i))?;
-    if !matches!(next.kind(), StageKind::Map) {
+    if !next.kind().maps() {
         return None;
     }
     let max = crate::MAX_MAP_WIDTH;

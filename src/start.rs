@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::PgConnection;
 
-use crate::definition::{StageKind, Workflow};
+use crate::definition::Workflow;
 use crate::dispatch;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -214,7 +214,7 @@ impl Engine {
         )
         .await?;
         if created {
-            dispatch::enter(conn, id, &definition, Some(0), None, self.fan_in()).await?;
+            dispatch::enter(self, conn, id, &definition, Some(0), None, self.fan_in()).await?;
             tracing::debug!(execution_id = %id, workflow, "execution started");
         }
         Ok(Started { id, created })
@@ -291,7 +291,8 @@ impl Engine {
                 .filter(|(_, created)| *created)
                 .map(|(id, _)| *id)
                 .collect();
-            dispatch::enter_first_stage_many(&mut tx, &definition, &created, self.fan_in()).await?;
+            dispatch::enter_first_stage_many(self, &mut tx, &definition, &created, self.fan_in())
+                .await?;
             for (&i, (id, _)) in positions.iter().zip(started) {
                 ids[i] = id;
             }
@@ -321,7 +322,7 @@ impl Engine {
 /// `item` names the position in a batch.
 fn check_input(definition: &Workflow, input: &Value, item: Option<usize>) -> Result<()> {
     let first = &definition.stages()[0];
-    if matches!(first.kind(), StageKind::Map) && !input.is_array() {
+    if first.kind().maps() && !input.is_array() {
         let which = item.map_or(String::new(), |i| format!("item {i}: "));
         return Err(Error::InvalidInput {
             workflow: definition.name().to_owned(),
@@ -331,7 +332,7 @@ fn check_input(definition: &Workflow, input: &Value, item: Option<usize>) -> Res
             ),
         });
     }
-    if let (StageKind::Map, Some(items)) = (first.kind(), input.as_array()) {
+    if let (true, Some(items)) = (first.kind().maps(), input.as_array()) {
         if items.len() > crate::MAX_MAP_WIDTH {
             return Err(Error::MapTooWide {
                 workflow: definition.name().to_owned(),

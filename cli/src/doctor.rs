@@ -25,11 +25,13 @@ pub async fn run(engine: Engine, args: Args) -> anyhow::Result<ExitCode> {
             print!("{}", table(&repairs.found));
             println!(
                 "repaired: {} counters re-counted, {} groups fired, {} executions moved on, {} \
-                 signals received",
+                 signals received, {} child ends reported, {} orphaned children cancelled",
                 repairs.counters_fixed,
                 repairs.groups_fired,
                 repairs.executions_advanced,
-                repairs.signals_received
+                repairs.signals_received,
+                repairs.children_reported,
+                repairs.orphans_cancelled
             );
         }
         return Ok(ExitCode::SUCCESS);
@@ -50,7 +52,8 @@ pub async fn run(engine: Engine, args: Args) -> anyhow::Result<ExitCode> {
 fn table(d: &Diagnosis) -> String {
     if d.is_healthy() {
         return "healthy: every counter matches its members, every finished group fired, \
-                no running execution is stuck, every signal reached its wait\n"
+                no running execution is stuck, every signal reached its wait, every child's \
+                end reached its parent\n"
             .to_owned();
     }
     let mut out = format!(
@@ -83,6 +86,18 @@ fn table(d: &Diagnosis) -> String {
         out += &format!(
             "{:<20} {:<38} {:>5}  signal {:?} kept while its wait is pending\n",
             "unreceived signal", s.execution_id, "-", s.name
+        );
+    }
+    for c in &d.unreported_children {
+        out += &format!(
+            "{:<20} {:<38} {:>5}  ended, but its member {} in the parent still waits\n",
+            "unreported child", c.execution_id, "-", c.member
+        );
+    }
+    for id in &d.orphaned_children {
+        out += &format!(
+            "{:<20} {:<38} {:>5}  runs, but its parent has ended\n",
+            "orphaned child", id, "-"
         );
     }
     out + &format!(

@@ -30,6 +30,9 @@ pub struct ListArgs {
     /// Only executions in this status: running, completed, failed, cancelled or timed_out.
     #[arg(long)]
     status: Option<ExecutionStatus>,
+    /// Only the child workflows' executions this execution started.
+    #[arg(long)]
+    parent: Option<uuid::Uuid>,
     /// At most this many, newest first.
     #[arg(long, default_value_t = 50)]
     limit: usize,
@@ -110,6 +113,9 @@ pub fn timeline(e: &Execution) -> String {
             (finished - e.created_at).as_seconds_f64()
         );
     }
+    if let Some(parent) = e.parent {
+        out += &format!("\n  a child of execution {parent}");
+    }
     if let Some(error) = &e.error {
         out += &format!("\n  error: {error}");
     }
@@ -164,6 +170,12 @@ pub fn timeline(e: &Execution) -> String {
                 out += &format!("      waits for signal {:?}\n", s.name)
             }
             (_, Some(at)) => out += &format!("      sleeps until {at}\n"),
+            ("map_workflow", _) => {
+                out += &format!(
+                    "      one child execution per member: confluo list --parent {}\n",
+                    e.id
+                )
+            }
             _ => {}
         }
     }
@@ -187,6 +199,9 @@ pub async fn list(engine: Engine, args: ListArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(status) = args.status {
         filter = filter.status(status);
+    }
+    if let Some(parent) = args.parent {
+        filter = filter.parent(ExecutionId::from(parent));
     }
     let executions = engine.list(&filter).await?;
     if args.json {

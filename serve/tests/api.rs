@@ -247,6 +247,44 @@ async fn signals_through_the_api() {
     assert_error(&ended, StatusCode::CONFLICT, "already_ended");
 }
 
+/// A parent's children through the API: listed with `?parent=`, each naming its parent;
+/// cancelling the parent cancels them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_workflows_through_the_api() {
+    let engine = engine("confluo_serve_children").await;
+    engine
+        .register(&Workflow::new("child", 1).step("work"))
+        .await
+        .unwrap();
+    engine
+        .register(&Workflow::new("parent", 1).map_workflow("each", "child"))
+        .await
+        .unwrap();
+    let app = confluo_serve::router(engine.clone(), &local()).unwrap();
+    let id = engine.start("parent", &json!([1, 2, 3])).await.unwrap();
+    let list = format!("/api/v1/executions?parent={id}");
+    let (status, children) = call(&app, Method::GET, &list, None).await;
+    assert_eq!(status, StatusCode::OK);
+    let children = children.as_array().unwrap().clone();
+    assert_eq!(children.len(), 3, "{children:?}");
+    let first = children[0]["id"].as_str().unwrap();
+    let (_, child) = call(
+        &app,
+        Method::GET,
+        &format!("/api/v1/executions/{first}"),
+        None,
+    )
+    .await;
+    assert_eq!(child["parent"], json!(id.to_string()), "{child}");
+    let (_, parent) = call(&app, Method::GET, &format!("/api/v1/executions/{id}"), None).await;
+    assert_eq!(parent["stages"][0]["kind"], "map_workflow", "{parent}");
+    assert!(engine.cancel(id).await.unwrap());
+    let (_, children) = call(&app, Method::GET, &format!("{list}&status=cancelled"), None).await;
+    assert_eq!(children.as_array().unwrap().len(), 3, "{children}");
+    let bad = call(&app, Method::GET, "/api/v1/executions?parent=nope", None).await;
+    assert_error(&bad, StatusCode::BAD_REQUEST, "bad_request");
+}
+
 /// Every failure is JSON with the status it is sent with and a code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_are_json_with_a_status_and_a_code() {

@@ -5,6 +5,7 @@
 //! execution stays pinned to the version it started with.
 
 mod branch;
+mod child;
 mod plan;
 mod retry;
 mod signal;
@@ -19,6 +20,7 @@ use crate::fanin::FanInStrategy;
 
 pub(crate) use branch::{decide, Decision};
 pub use branch::{Arm, Branch, BranchChoice};
+pub(crate) use child::CHILD_HANDLER;
 pub(crate) use plan::Plan;
 pub use retry::RetryPolicy;
 pub use signal::SignalWait;
@@ -128,6 +130,16 @@ pub enum StageKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         on_timeout: Option<serde_json::Value>,
     },
+    /// A map whose members are executions of another workflow ([`Stage::map_workflow`]):
+    /// one child per element of the previous output array; each member's output is its
+    /// child's.
+    MapWorkflow {
+        /// The child workflow.
+        workflow: String,
+        /// Its version (none: the latest registered when the stage is entered).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        version: Option<i32>,
+    },
 }
 
 /// The handler of a sleep's task, run by every worker that serves the workflow (a name no
@@ -136,7 +148,7 @@ pub(crate) const SLEEP_HANDLER: &str = "confluo:sleep";
 
 impl StageKind {
     /// The name stored in the database (`step`, `parallel`, `map`, `branch`, `sleep`,
-    /// `signal`).
+    /// `signal`, `map_workflow`).
     pub fn as_str(&self) -> &'static str {
         match self {
             StageKind::Step => "step",
@@ -145,7 +157,14 @@ impl StageKind {
             StageKind::Branch { .. } => "branch",
             StageKind::Sleep { .. } => "sleep",
             StageKind::Signal { .. } => "signal",
+            StageKind::MapWorkflow { .. } => "map_workflow",
         }
+    }
+
+    /// Whether the stage takes one member per element of an array input (a map, a map
+    /// of child workflows).
+    pub(crate) fn maps(&self) -> bool {
+        matches!(self, StageKind::Map | StageKind::MapWorkflow { .. })
     }
 }
 
@@ -331,15 +350,16 @@ impl Stage {
     }
 
     /// The handler names this stage's own tasks need: its own name, or its parallel
-    /// branch names; none for a conditional branch (its arms' stages have their own) or a
-    /// sleep or a signal wait (workers run them themselves).
+    /// branch names; none for a conditional branch (its arms' stages have their own), a
+    /// sleep, a signal wait or a map of child workflows (workers run them themselves).
     pub fn handler_names(&self) -> Vec<&str> {
         match &self.kind {
             StageKind::Parallel { branches } => branches.iter().map(String::as_str).collect(),
             StageKind::Step | StageKind::Map => vec![self.name.as_str()],
-            StageKind::Branch { .. } | StageKind::Sleep { .. } | StageKind::Signal { .. } => {
-                Vec::new()
-            }
+            StageKind::Branch { .. }
+            | StageKind::Sleep { .. }
+            | StageKind::Signal { .. }
+            | StageKind::MapWorkflow { .. } => Vec::new(),
         }
     }
 }
@@ -396,6 +416,11 @@ impl Workflow {
         self.stage(Stage::map(name))
     }
 
+    /// Appends a map of child workflows with default options ([`Stage::map_workflow`]).
+    pub fn map_workflow(self, name: impl Into<String>, workflow: impl Into<String>) -> Self {
+        self.stage(Stage::map_workflow(name, workflow))
+    }
+
     /// The workflow name.
     pub fn name(&self) -> &str {
         &self.name
@@ -430,7 +455,7 @@ impl Workflow {
     }
 
     /// The handlers workers run themselves for its stages, arms included: a sleep's, a
-    /// signal wait's with a timeout.
+    /// signal wait's with a timeout, a child workflow member's.
     pub(crate) fn builtin_handlers(&self) -> Vec<&'static str> {
         let mut names = Vec::new();
         for slot in self.plan().slots() {
@@ -440,6 +465,7 @@ impl Workflow {
                     timeout_ms: Some(_),
                     ..
                 } => SIGNAL_HANDLER,
+                StageKind::MapWorkflow { .. } => CHILD_HANDLER,
                 _ => continue,
             };
             if !names.contains(&name) {
@@ -454,6 +480,21 @@ impl Workflow {
         self.plan().slots().iter().position(|s| {
             s.stage.name() == name && matches!(s.stage.kind(), StageKind::Signal { .. })
         })
+    }
+
+    /// The child workflows its [`Stage::map_workflow`] stages start, arms included, in
+    /// stage order: each as the stage, the workflow and the version pinned (if any).
+    pub fn child_workflows(&self) -> Vec<(&str, &str, Option<i32>)> {
+        self.plan()
+            .slots()
+            .iter()
+            .filter_map(|s| match s.stage.kind() {
+                StageKind::MapWorkflow { workflow, version } => {
+                    Some((s.stage.name(), workflow.as_str(), *version))
+                }
+                _ => None,
+            })
+            .collect()
     }
 
     /// The names of its signal waits, arms included, in stage order.

@@ -68,8 +68,11 @@ impl Workflow {
                         .plan()
                         .next(index)
                         .and_then(|i| self.stage_at(i))
-                        .is_some_and(|s| matches!(s.kind, StageKind::Map));
+                        .is_some_and(|s| s.kind.maps());
                     check_signal(&stage.name, *timeout_ms, on_timeout, next_is_map)?
+                }
+                StageKind::MapWorkflow { workflow, version } => {
+                    check_child(&stage.name, workflow, *version)?
                 }
                 _ => {}
             }
@@ -183,6 +186,21 @@ fn check_signal(
     })
 }
 
+/// A map of child workflows names a workflow that can be registered, and a version that
+/// can be.
+fn check_child(stage: &str, workflow: &str, version: Option<i32>) -> Result<(), DefinitionError> {
+    let reason = match (check_name(workflow), version) {
+        (Err(reason), _) => reason,
+        (_, Some(v)) if v <= 0 => "its pinned version is not positive",
+        _ => return Ok(()),
+    };
+    Err(DefinitionError::InvalidChildWorkflow {
+        stage: stage.to_owned(),
+        workflow: workflow.to_owned(),
+        reason,
+    })
+}
+
 fn check_retry(policy: &RetryPolicy) -> Result<(), &'static str> {
     if policy.max_attempts == 0 || policy.max_attempts > i32::MAX as u32 {
         Err("max_attempts must be at least 1")
@@ -291,6 +309,16 @@ pub enum DefinitionError {
     InvalidSignal {
         /// The stage.
         stage: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A map of child workflows names no usable workflow.
+    #[error("stage {stage:?} maps over workflow {workflow:?}, which is invalid: {reason}")]
+    InvalidChildWorkflow {
+        /// The stage.
+        stage: String,
+        /// The child workflow named.
+        workflow: String,
         /// Why it is refused.
         reason: &'static str,
     },

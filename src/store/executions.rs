@@ -9,6 +9,7 @@ use crate::definition::Workflow;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
+use crate::store::children;
 use crate::store::fan_in::{self, Count};
 
 /// One execution row as stored.
@@ -27,6 +28,8 @@ pub(crate) struct ExecutionRow {
     pub updated_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
     pub deadline_at: Option<DateTime<Utc>>,
+    /// The parent execution of a child workflow's execution.
+    pub parent_execution: Option<ExecutionId>,
 }
 
 /// An execution to insert.
@@ -186,19 +189,27 @@ pub(crate) async fn complete_many(
     stages: &[i32],
     output_groups: &[GroupId],
 ) -> Result<u64> {
-    Ok(super::query(
-        "UPDATE confluo.execution x
-            SET status = 'completed', current_stage = v.stages, output_group = v.output_group,
-                updated_at = now(), finished_at = now()
-           FROM unnest($1::uuid[], $2::int[], $3::uuid[]) AS v(id, stages, output_group)
-          WHERE x.id = v.id AND x.status = 'running'",
-    )
-    .bind(ids)
-    .bind(stages)
-    .bind(output_groups)
-    .execute(conn)
-    .await?
-    .rows_affected())
+    let sql = format!(
+        "WITH ended AS (
+            UPDATE confluo.execution x
+               SET status = 'completed', current_stage = v.stages, output_group = v.output_group,
+                   updated_at = now(), finished_at = now()
+              FROM unnest($1::uuid[], $2::int[], $3::uuid[]) AS v(id, stages, output_group)
+             WHERE x.id = v.id AND x.status = 'running'
+         RETURNING x.parent_task
+         ) {}
+         SELECT count(*) FROM ended LEFT JOIN LATERAL {} ON true",
+        children::report_end_sql("ended"),
+        children::notify_woken_sql("$4")
+    );
+    let done: i64 = super::query_scalar(&sql)
+        .bind(ids)
+        .bind(stages)
+        .bind(output_groups)
+        .bind(super::TASKS_CHANNEL)
+        .fetch_one(conn)
+        .await?;
+    Ok(done as u64)
 }
 
 /// The input an execution was started with.
@@ -212,30 +223,22 @@ pub(crate) async fn input(conn: &mut PgConnection, id: ExecutionId) -> Result<Va
 }
 
 /// Completes a running execution; its output is read by reference from `output_group`.
+/// A child workflow's execution reports its end to its member in the parent, in the same
+/// statement ([`children`]).
 pub(crate) async fn complete(
     conn: &mut PgConnection,
     id: ExecutionId,
     stages: i32,
     output_group: GroupId,
 ) -> Result<bool> {
-    let done = super::query(
-        "UPDATE confluo.execution
-            SET status = 'completed', current_stage = $2, output_group = $3,
-                updated_at = now(), finished_at = now()
-          WHERE id = $1 AND status = 'running'",
-    )
-    .bind(id)
-    .bind(stages)
-    .bind(output_group)
-    .execute(conn)
-    .await?
-    .rows_affected();
-    Ok(done == 1)
+    Ok(complete_many(conn, &[id], &[stages], &[output_group]).await? == 1)
 }
 
 /// Moves a running execution to `failed`, `cancelled` or `timed_out` and cancels its
 /// pending tasks, counting their groups down by as many (stripes, then groups, in order),
-/// in the caller's transaction.
+/// in the caller's transaction. A child workflow's execution reports its end to its
+/// member in the parent; an execution with running children of its own is recorded for
+/// the [`children`] cascade, which cancels them after this commits.
 /// Returns false if the execution was not running.
 pub(crate) async fn stop(
     conn: &mut PgConnection,
@@ -243,31 +246,55 @@ pub(crate) async fn stop(
     status: &str,
     error: Option<&str>,
 ) -> Result<bool> {
-    let stopped = super::query(
-        "UPDATE confluo.execution
-            SET status = $2, error = $3, updated_at = now(), finished_at = now()
-          WHERE id = $1 AND status = 'running'",
-    )
-    .bind(id)
-    .bind(status)
-    .bind(error)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    if stopped == 0 {
-        return Ok(false);
+    Ok(stop_many(conn, &[id], status, error).await? == 1)
+}
+
+/// [`stop`] for many executions (the caller locked them, in id order), in two
+/// statements. Returns how many were running.
+pub(crate) async fn stop_many(
+    conn: &mut PgConnection,
+    ids: &[ExecutionId],
+    status: &str,
+    error: Option<&str>,
+) -> Result<u64> {
+    let sql = format!(
+        "WITH ended AS (
+            UPDATE confluo.execution
+               SET status = $2, error = $3, updated_at = now(), finished_at = now()
+             WHERE id = ANY($1) AND status = 'running'
+         RETURNING id, parent_task
+         ) {}, cascading AS (
+            INSERT INTO confluo.cascade (execution_id)
+            SELECT e.id FROM ended e
+             WHERE EXISTS (SELECT 1 FROM confluo.execution c
+                            WHERE c.parent_execution = e.id AND c.status = 'running')
+            ON CONFLICT DO NOTHING
+         )
+         SELECT e.id FROM ended e LEFT JOIN LATERAL {} ON true",
+        children::report_end_sql("ended"),
+        children::notify_woken_sql("$4")
+    );
+    let stopped: Vec<ExecutionId> = super::query_scalar(&sql)
+        .bind(ids)
+        .bind(status)
+        .bind(error)
+        .bind(super::TASKS_CHANNEL)
+        .fetch_all(&mut *conn)
+        .await?;
+    if stopped.is_empty() {
+        return Ok(0);
     }
     let sql = format!(
         "WITH cancelled AS (
             UPDATE confluo.task SET status = 'cancelled', finished_at = now()
-             WHERE execution_id = $1 AND status = 'pending'
+             WHERE execution_id = ANY($1) AND status = 'pending'
          RETURNING group_id, item_index
          ) {}
          SELECT count(*) FROM c_groups",
         fan_in::counters_sql("cancelled", Count::Down)
     );
-    super::query(&sql).bind(id).execute(conn).await?;
-    Ok(true)
+    super::query(&sql).bind(&stopped).execute(conn).await?;
+    Ok(stopped.len() as u64)
 }
 
 /// Moves a failed execution back to `running` (a dead letter of it is being reprocessed),
@@ -431,6 +458,7 @@ pub(crate) async fn list<'e, E>(
     executor: E,
     workflow: Option<&str>,
     status: Option<&str>,
+    parent: Option<ExecutionId>,
     limit: i64,
 ) -> Result<Vec<ExecutionRow>>
 where
@@ -440,12 +468,14 @@ where
         "SELECT * FROM confluo.execution
           WHERE ($1::text IS NULL OR workflow_name = $1)
             AND ($2::text IS NULL OR status = $2)
+            AND ($4::uuid IS NULL OR parent_execution = $4)
           ORDER BY created_at DESC, id
           LIMIT $3",
     )
     .bind(workflow)
     .bind(status)
     .bind(limit)
+    .bind(parent)
     .fetch_all(executor)
     .await?)
 }

@@ -4,7 +4,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::PgConnection;
 
-use crate::definition::{BranchChoice, Stage, Workflow};
+use crate::definition::{BranchChoice, Stage, StageKind, Workflow};
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
@@ -82,17 +82,17 @@ pub(crate) async fn create_stage(
                FROM unnest($14::text[]) WITH ORDINALITY AS s(h, o)"
         }
         MemberSource::ExecutionInput => {
-            "SELECT $4::text AS handler, e.value AS input, e.ord
+            "SELECT COALESCE($25, $4)::text AS handler, e.value AS input, e.ord
                FROM confluo.execution x, jsonb_array_elements(x.input) WITH ORDINALITY AS e(value, ord)
               WHERE x.id = $2 AND $14::uuid IS NULL"
         }
         MemberSource::StepOutput(_) => {
-            "SELECT $4::text AS handler, e.value AS input, e.ord
+            "SELECT COALESCE($25, $4)::text AS handler, e.value AS input, e.ord
                FROM confluo.task p, jsonb_array_elements(p.output) WITH ORDINALITY AS e(value, ord)
               WHERE p.group_id = $14::uuid"
         }
         MemberSource::GroupOutputs(_) => {
-            "SELECT $4::text AS handler, p.output AS input,
+            "SELECT COALESCE($25, $4)::text AS handler, p.output AS input,
                     row_number() OVER (ORDER BY p.item_index) AS ord
                FROM confluo.task p
               WHERE p.group_id = $14::uuid AND p.status = 'completed'"
@@ -186,12 +186,15 @@ pub(crate) async fn create_stage(
         Some(Wake::At(at)) => (None, Some(at)),
         _ => (None, None),
     };
-    let never = matches!(wake, Some(Wake::Never));
+    // A child workflow's members wait, at `infinity`, for their children's ends.
+    let child = matches!(stage.kind(), StageKind::MapWorkflow { .. });
+    let never = matches!(wake, Some(Wake::Never)) || child;
     Ok(query
         .bind(after)
         .bind(at)
         .bind(input)
         .bind(never)
+        .bind(child.then_some(crate::definition::CHILD_HANDLER))
         .fetch_one(conn)
         .await?)
 }

@@ -24,7 +24,14 @@
 //! path waits for a lock of an earlier kind while holding a later one, so none can
 //! deadlock another.
 //!
-//! One exception, by design: the re-counting strategies (row-lock, and the naive
+//! Two exceptions, by design. A child workflow's end (its completion or stop) locks its
+//! own rows in this order, then its member's task in the parent, last, to make it due
+//! ([`children`](super::children)). No transaction that holds such a member waits for a
+//! row of another execution: a parent's stop cancels its members and leaves its children
+//! to the cascade, which runs after it commits and skips locked children; the member's
+//! completion reads its child without locking it. So it closes no cycle.
+//!
+//! The re-counting strategies (row-lock, and the naive
 //! demonstration) write the task's status and then lock the execution. They hold no
 //! stripe or group then, and the one task they hold is running, which no path that holds
 //! an execution waits for (a stop cancels pending tasks, a reprocess requeues dead ones).

@@ -165,7 +165,7 @@ async fn heartbeat(state: &State) {
 }
 
 /// Sends the registry heartbeat, reclaims expired leases, times out executions past their
-/// deadline, archives ended executions' tasks and samples the queue depth, every half
+/// deadline, cancels the children of stopped executions, archives ended executions' tasks and samples the queue depth, every half
 /// lease (at most 5 s apart), until the worker shuts down. It returns between rounds,
 /// never in the middle of a statement: a statement future dropped half-way leaves its
 /// pooled connection to the next user with the exchange unfinished, and the shutdown's
@@ -179,6 +179,9 @@ pub(super) async fn housekeeping(state: Arc<State>) {
         }
         if let Err(error) = state.engine.time_out_expired(100).await {
             tracing::warn!(%error, "timing out executions past their deadline failed");
+        }
+        if let Err(error) = state.engine.cancel_orphans(10_000).await {
+            tracing::warn!(%error, "cancelling the children of stopped executions failed");
         }
         if let Some(after) = state.settings.archive_after {
             state

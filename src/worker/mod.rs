@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::claimed::ClaimedTask;
-use crate::definition::{timed_out, SIGNAL_HANDLER};
+use crate::definition::{timed_out, CHILD_HANDLER, SIGNAL_HANDLER};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::handler::{FnHandler, Handler, TaskContext, TaskError};
@@ -380,7 +380,7 @@ impl WorkerBuilder {
             for name in versions.iter().flat_map(|(w, _)| w.builtin_handlers()) {
                 self.handlers
                     .entry((workflow.clone(), name.to_owned()))
-                    .or_insert_with(|| builtin_handler(name));
+                    .or_insert_with(|| builtin_handler(name, &self.engine));
             }
         }
         let mut keys = HandlerKeys::default();
@@ -658,8 +658,14 @@ async fn give_back(state: &State, held: Vec<Held>) {
 
 /// The handler workers run themselves for `name`: a sleep wakes with a `null` output; a
 /// signal wait whose deadline passed gives its timeout output, or fails for good.
-fn builtin_handler(name: &str) -> Arc<dyn Handler> {
-    if name == SIGNAL_HANDLER {
+fn builtin_handler(name: &str, engine: &Engine) -> Arc<dyn Handler> {
+    if name == CHILD_HANDLER {
+        let engine = engine.clone();
+        Arc::new(FnHandler(move |ctx: TaskContext| {
+            let engine = engine.clone();
+            async move { engine.child_result(ctx.task_id()).await }
+        }))
+    } else if name == SIGNAL_HANDLER {
         Arc::new(FnHandler(|ctx: TaskContext| async move {
             timed_out(ctx.input()).map_err(TaskError::permanent)
         }))

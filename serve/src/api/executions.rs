@@ -113,6 +113,8 @@ pub(crate) struct ListQuery {
     workflow: Option<String>,
     /// Only those in this status: running, completed, failed, cancelled, timed_out.
     status: Option<String>,
+    /// Only the child workflows' executions this execution started.
+    parent: Option<Uuid>,
     /// At most this many (1 to 1000; 50 by default).
     limit: Option<usize>,
 }
@@ -139,6 +141,9 @@ pub(crate) async fn list(
             .parse()
             .map_err(|e: confluo::UnknownStatus| ApiError::bad_request(e.to_string()))?;
         filter = filter.status(status);
+    }
+    if let Some(parent) = query.parent {
+        filter = filter.parent(ExecutionId::from(parent));
     }
     Ok(Json(state.engine.list(&filter).await?))
 }
