@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 use crate::store::groups::{MemberSource, Wake};
-use crate::store::{children, executions, fan_in, groups, signals, workflows};
+use crate::store::{children, executions, fan_in, groups, signals};
 
 /// The group whose output a stage receives: its id, kind and stage index.
 #[derive(Clone, Copy, Debug)]
@@ -366,19 +366,16 @@ async fn start_children(
     version: Option<i32>,
     fan_in: FanInStrategy,
 ) -> Result<std::result::Result<(), String>> {
-    let version = match version {
-        Some(v) => v,
-        None => match workflows::latest_version(&mut *conn, workflow).await {
-            Ok(v) => v,
-            Err(crate::Error::WorkflowNotFound { .. }) => {
-                return Ok(Err(format!(
-                    "stage {stage:?} maps over workflow {workflow}, which is not registered"
-                )))
-            }
-            Err(e) => return Err(e),
-        },
+    let child = match engine.definition_to_start(conn, workflow, version).await {
+        Ok(child) => child,
+        Err(crate::Error::WorkflowNotFound { .. }) => {
+            return Ok(Err(format!(
+                "stage {stage:?} maps over workflow {workflow}, which is not registered"
+            )))
+        }
+        Err(e) => return Err(e),
     };
-    let child = engine.definition(&mut *conn, workflow, version).await?;
+    let version = child.version();
     let first = &child.stages()[0];
     if first.kind().maps() {
         let max = crate::MAX_MAP_WIDTH as i64;

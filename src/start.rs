@@ -304,7 +304,7 @@ impl Engine {
 
     /// The definition a start runs: `version`, or the latest registered one, from the
     /// cache when this process has seen it (definitions never change once registered).
-    async fn definition_to_start(
+    pub(crate) async fn definition_to_start(
         &self,
         conn: &mut PgConnection,
         workflow: &str,

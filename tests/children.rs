@@ -98,6 +98,16 @@ async fn claim_of(
     panic!("claimed {} of {n} {handler} tasks", tasks.len());
 }
 
+/// Writes an execution's status behind the engine's back (a defect the auditor must find).
+async fn set_status(db: &TestDb, id: ExecutionId, status: &str) {
+    sqlx::query("UPDATE confluo.execution SET status = $2 WHERE id = $1")
+        .bind(id)
+        .bind(status)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
 async fn assert_healthy(db: &TestDb) {
     let diagnosis = db.engine.doctor().await.unwrap();
     assert!(diagnosis.is_healthy(), "{diagnosis:?}");
@@ -525,11 +535,7 @@ async fn the_auditor_finds_and_repairs_an_unreported_end_and_orphans() {
     assert_eq!(found.unreported_children.len(), 1, "{found:?}");
     assert_eq!(found.unreported_children[0].execution_id, first);
     // And a child left running by a stopped parent that nothing cascades from.
-    sqlx::query("UPDATE confluo.execution SET status = 'cancelled' WHERE id = $1")
-        .bind(id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    set_status(&db, id, "cancelled").await;
     let found = db.engine.doctor().await.unwrap();
     assert_eq!(
         found.orphaned_children,
@@ -537,11 +543,7 @@ async fn the_auditor_finds_and_repairs_an_unreported_end_and_orphans() {
         "{found:?}"
     );
     // Put the parent back to running for the first repair, then stop it again.
-    sqlx::query("UPDATE confluo.execution SET status = 'running' WHERE id = $1")
-        .bind(id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    set_status(&db, id, "running").await;
     let repairs = db.engine.repair().await.unwrap();
     assert_eq!(repairs.children_reported, 1, "{repairs:?}");
     let member = claim_of(&db.engine, "audited", "confluo:child", 1)
@@ -549,11 +551,7 @@ async fn the_auditor_finds_and_repairs_an_unreported_end_and_orphans() {
         .remove(0);
     assert_eq!(member.item_index(), 0);
     db.engine.release(&member).await.unwrap();
-    sqlx::query("UPDATE confluo.execution SET status = 'cancelled' WHERE id = $1")
-        .bind(id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    set_status(&db, id, "cancelled").await;
     let repairs = db.engine.repair().await.unwrap();
     assert_eq!(repairs.orphans_cancelled, 1, "{repairs:?}");
     assert_eq!(children(&db, id).await[1].1, "cancelled");

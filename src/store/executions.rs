@@ -1,5 +1,7 @@
 //! The `execution` table.
 
+use std::sync::LazyLock;
+
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::types::Json;
@@ -182,14 +184,10 @@ pub(crate) async fn insert_many(
         .collect()
 }
 
-/// [`complete`] for many executions at once, in one statement.
-pub(crate) async fn complete_many(
-    conn: &mut PgConnection,
-    ids: &[ExecutionId],
-    stages: &[i32],
-    output_groups: &[GroupId],
-) -> Result<u64> {
-    let sql = format!(
+/// [`complete_many`]'s statement: the executions completed, each child workflow's end
+/// reported to its member ([`children`]). Built once: it runs at every execution's end.
+static COMPLETE_MANY: LazyLock<String> = LazyLock::new(|| {
+    format!(
         "WITH ended AS (
             UPDATE confluo.execution x
                SET status = 'completed', current_stage = v.stages, output_group = v.output_group,
@@ -201,8 +199,54 @@ pub(crate) async fn complete_many(
          SELECT count(*) FROM ended LEFT JOIN LATERAL {} ON true",
         children::report_end_sql("ended"),
         children::notify_woken_sql("$4")
-    );
-    let done: i64 = super::query_scalar(&sql)
+    )
+});
+
+/// [`stop_many`]'s first statement: the executions stopped, each child workflow's end
+/// reported to its member, each stopped parent with running children recorded for the
+/// cascade.
+static STOP_MANY: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH ended AS (
+            UPDATE confluo.execution
+               SET status = $2, error = $3, updated_at = now(), finished_at = now()
+             WHERE id = ANY($1) AND status = 'running'
+         RETURNING id, parent_task
+         ) {}, cascading AS (
+            INSERT INTO confluo.cascade (execution_id)
+            SELECT e.id FROM ended e
+             WHERE EXISTS (SELECT 1 FROM confluo.execution c
+                            WHERE c.parent_execution = e.id AND c.status = 'running')
+            ON CONFLICT DO NOTHING
+         )
+         SELECT e.id FROM ended e LEFT JOIN LATERAL {} ON true",
+        children::report_end_sql("ended"),
+        children::notify_woken_sql("$4")
+    )
+});
+
+/// [`stop_many`]'s second statement: the stopped executions' pending tasks cancelled and
+/// counted down.
+static CANCEL_PENDING: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH cancelled AS (
+            UPDATE confluo.task SET status = 'cancelled', finished_at = now()
+             WHERE execution_id = ANY($1) AND status = 'pending'
+         RETURNING group_id, item_index
+         ) {}
+         SELECT count(*) FROM c_groups",
+        fan_in::counters_sql("cancelled", Count::Down)
+    )
+});
+
+/// [`complete`] for many executions at once, in one statement.
+pub(crate) async fn complete_many(
+    conn: &mut PgConnection,
+    ids: &[ExecutionId],
+    stages: &[i32],
+    output_groups: &[GroupId],
+) -> Result<u64> {
+    let done: i64 = super::query_scalar(&COMPLETE_MANY)
         .bind(ids)
         .bind(stages)
         .bind(output_groups)
@@ -257,24 +301,7 @@ pub(crate) async fn stop_many(
     status: &str,
     error: Option<&str>,
 ) -> Result<u64> {
-    let sql = format!(
-        "WITH ended AS (
-            UPDATE confluo.execution
-               SET status = $2, error = $3, updated_at = now(), finished_at = now()
-             WHERE id = ANY($1) AND status = 'running'
-         RETURNING id, parent_task
-         ) {}, cascading AS (
-            INSERT INTO confluo.cascade (execution_id)
-            SELECT e.id FROM ended e
-             WHERE EXISTS (SELECT 1 FROM confluo.execution c
-                            WHERE c.parent_execution = e.id AND c.status = 'running')
-            ON CONFLICT DO NOTHING
-         )
-         SELECT e.id FROM ended e LEFT JOIN LATERAL {} ON true",
-        children::report_end_sql("ended"),
-        children::notify_woken_sql("$4")
-    );
-    let stopped: Vec<ExecutionId> = super::query_scalar(&sql)
+    let stopped: Vec<ExecutionId> = super::query_scalar(&STOP_MANY)
         .bind(ids)
         .bind(status)
         .bind(error)
@@ -284,16 +311,10 @@ pub(crate) async fn stop_many(
     if stopped.is_empty() {
         return Ok(0);
     }
-    let sql = format!(
-        "WITH cancelled AS (
-            UPDATE confluo.task SET status = 'cancelled', finished_at = now()
-             WHERE execution_id = ANY($1) AND status = 'pending'
-         RETURNING group_id, item_index
-         ) {}
-         SELECT count(*) FROM c_groups",
-        fan_in::counters_sql("cancelled", Count::Down)
-    );
-    super::query(&sql).bind(&stopped).execute(conn).await?;
+    super::query(&CANCEL_PENDING)
+        .bind(&stopped)
+        .execute(conn)
+        .await?;
     Ok(stopped.len() as u64)
 }
 
