@@ -58,6 +58,7 @@
 mod activity;
 mod archive;
 mod batch;
+mod builtin;
 mod callback;
 mod children;
 mod claimed;

@@ -184,6 +184,58 @@ async fn children_run_through_workers_and_their_outputs_are_the_stage_output() {
     assert_healthy(&db).await;
 }
 
+/// A loop of its own on `claim`, with `run_builtin` for the engine's own tasks: a user
+/// handler's task is left alone (`None`, nothing recorded); a member is acknowledged with
+/// its child's output, or failed for good with its child's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_loop_runs_child_members_with_run_builtin() {
+    let db = TestDb::new(6).await;
+    db.register(&child(FanInStrategy::Countdown)).await;
+    db.register(&parent("own_loop", FanInStrategy::Countdown))
+        .await;
+    let id = db.engine.start("own_loop", &json!([5, 6])).await.unwrap();
+    let works = claim_of(&db.engine, "work", "work", 2).await;
+    for task in &works {
+        assert_eq!(db.engine.run_builtin(task).await.unwrap(), None);
+        let (status, lease): (String, Option<confluo::LeaseToken>) =
+            sqlx::query_as("SELECT status, lease_token FROM confluo.task WHERE id = $1")
+                .bind(task.id())
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!((status.as_str(), lease), ("running", Some(task.lease())));
+    }
+    db.engine.complete(&works[0], json!(50)).await.unwrap();
+    db.engine
+        .fail(&works[1], "six is refused", true)
+        .await
+        .unwrap();
+    let mut members = claim_of(&db.engine, "own_loop", "confluo:child", 2).await;
+    members.sort_by_key(|t| t.item_index());
+    assert_eq!(
+        db.engine.run_builtin(&members[0]).await.unwrap(),
+        Some(Outcome::Completed { fired: false })
+    );
+    assert_eq!(
+        db.engine.run_builtin(&members[1]).await.unwrap(),
+        Some(Outcome::DeadLettered { fired: true })
+    );
+    // A replay changes nothing.
+    assert_eq!(
+        db.engine.run_builtin(&members[0]).await.unwrap(),
+        Some(Outcome::AlreadyRecorded)
+    );
+    let after = claim_of(&db.engine, "own_loop", "after", 1).await.remove(0);
+    let input = db.engine.task_input(&after).await.unwrap();
+    assert_eq!(input["outputs"], json!([50]), "{input}");
+    let error = input["failed"][0]["error"].as_str().unwrap().to_owned();
+    assert!(error.contains("six is refused"), "{error}");
+    db.engine.complete(&after, json!("done")).await.unwrap();
+    let done = db.engine.wait(id, WAIT).await.unwrap();
+    assert_eq!(done.status, ExecutionStatus::Completed, "{done:?}");
+    assert_healthy(&db).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_child_is_a_dead_member_and_a_fail_fast_parent_cancels_the_rest() {
     let db = TestDb::new(10).await;

@@ -22,7 +22,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::claimed::ClaimedTask;
-use crate::definition::{timed_out, CHILD_HANDLER, SIGNAL_HANDLER};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::handler::{FnHandler, Handler, TaskContext, TaskError};
@@ -656,20 +655,11 @@ async fn give_back(state: &State, held: Vec<Held>) {
     state.waiting.lock().expect("waiting set poisoned").clear();
 }
 
-/// The handler workers run themselves for `name`: a sleep wakes with a `null` output; a
-/// signal wait whose deadline passed gives its timeout output, or fails for good.
-fn builtin_handler(name: &str, engine: &Engine) -> Arc<dyn Handler> {
-    if name == CHILD_HANDLER {
+/// The handler workers run themselves for `name` (see [`builtin`](crate::builtin)).
+fn builtin_handler(name: &'static str, engine: &Engine) -> Arc<dyn Handler> {
+    let engine = engine.clone();
+    Arc::new(FnHandler(move |ctx: TaskContext| {
         let engine = engine.clone();
-        Arc::new(FnHandler(move |ctx: TaskContext| {
-            let engine = engine.clone();
-            async move { engine.child_result(ctx.task_id()).await }
-        }))
-    } else if name == SIGNAL_HANDLER {
-        Arc::new(FnHandler(|ctx: TaskContext| async move {
-            timed_out(ctx.input()).map_err(TaskError::permanent)
-        }))
-    } else {
-        Arc::new(FnHandler(|_: TaskContext| async { Ok::<_, TaskError>(()) }))
-    }
+        async move { crate::builtin::answer(&engine, name, ctx.task_id(), ctx.input()).await }
+    }))
 }
