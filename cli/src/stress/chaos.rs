@@ -20,6 +20,7 @@ pub struct Seen {
     pub killed_connections: AtomicU64,
     pub killed_workers: AtomicU64,
     pub cancelled: AtomicU64,
+    pub children_cancelled: AtomicU64,
     /// Signals received by a waiting execution, and kept for one not there yet.
     pub signals_received: AtomicU64,
     pub signals_kept: AtomicU64,
@@ -55,6 +56,11 @@ async fn claim_and_run(
     lease: Duration,
 ) -> Option<(ClaimedTask, Value)> {
     let task = engine.claim(who, 1, lease).await.ok()?.pop()?;
+    if task.handler() == "confluo:child" {
+        // A child's member: its answer is the engine's to give (and acknowledge).
+        let _ = engine.run_builtin(&task).await;
+        return None;
+    }
     match run_task(ctx, engine, &task).await {
         Ok(output) => Some((task, output)),
         Err(_) => {
@@ -231,12 +237,16 @@ impl Processes {
     }
 }
 
-/// A running execution picked at random (`None` also when the query fails, e.g. on a
-/// killed connection).
-async fn random_running(engine: &Engine) -> Option<confluo::ExecutionId> {
-    sqlx::query_scalar(
-        "SELECT id FROM confluo.execution WHERE status = 'running' ORDER BY random() LIMIT 1",
+/// A running execution picked at random, a child (an audit) when `child`, else a
+/// parent, and whether it is a child (`None` also when the query fails, e.g. on a killed
+/// connection).
+async fn random_running(engine: &Engine, child: bool) -> Option<(confluo::ExecutionId, bool)> {
+    sqlx::query_as(
+        "SELECT id, parent_execution IS NOT NULL FROM confluo.execution
+          WHERE status = 'running' AND (parent_execution IS NOT NULL) = $1
+          ORDER BY random() LIMIT 1",
     )
+    .bind(child)
     .fetch_optional(engine.pool())
     .await
     .ok()
@@ -250,8 +260,8 @@ async fn random_running(engine: &Engine) -> Option<confluo::ExecutionId> {
 pub async fn signals(engine: Engine, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
     while !stop.load(Ordering::Relaxed) {
         tokio::time::sleep(Duration::from_millis(5)).await;
-        let picked = random_running(&engine).await;
-        let Some(id) = picked else { continue };
+        let picked = random_running(&engine, false).await;
+        let Some((id, _)) = picked else { continue };
         let payload = serde_json::json!({ "approved": id });
         // An error (e.g. a killed connection) records nothing; the run goes on.
         match engine.signal(id, super::handlers::SIGNAL, payload).await {
@@ -267,16 +277,32 @@ pub async fn signals(engine: Engine, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
 }
 
 /// Now and then cancels a running execution, whatever it is doing (its groups may be
-/// firing at that very moment).
+/// firing at that very moment): every other one a child, when one runs (its member then
+/// fails; children run only in the last stage, and would seldom be picked otherwise).
 pub async fn cancels(engine: Engine, per_second: f64, stop: Arc<AtomicBool>, seen: Arc<Seen>) {
     let pause = Duration::from_secs_f64(1.0 / per_second);
+    let mut turn = 0u64;
     while !stop.load(Ordering::Relaxed) {
         tokio::time::sleep(pause).await;
-        let picked = random_running(&engine).await;
+        turn += 1;
+        let child = if turn % 2 == 0 {
+            random_running(&engine, true).await
+        } else {
+            None
+        };
+        let picked = match child {
+            Some(child) => Some(child),
+            None => random_running(&engine, false).await,
+        };
         // An error (e.g. a killed connection) cancels nothing; the run goes on.
-        if let Some(id) = picked {
+        if let Some((id, child)) = picked {
             if let Ok(true) = engine.cancel(id).await {
-                seen.cancelled.fetch_add(1, Ordering::Relaxed);
+                let count = if child {
+                    &seen.children_cancelled
+                } else {
+                    &seen.cancelled
+                };
+                count.fetch_add(1, Ordering::Relaxed);
             }
         }
     }

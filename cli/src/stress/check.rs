@@ -4,6 +4,8 @@
 
 use sqlx::PgPool;
 
+use super::handlers::AUDITS;
+
 /// One invariant: its name, and what broke it (empty when it holds).
 pub struct Check {
     pub name: &'static str,
@@ -58,7 +60,10 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                     count(g.fired_at) || ' fired'
                FROM confluo.execution e LEFT JOIN confluo.stage_group g ON g.execution_id = e.id
               WHERE e.status = 'completed'
-              GROUP BY e.id HAVING count(g.id) <> 8 OR count(g.fired_at) <> 8 LIMIT 5",
+              GROUP BY e.id
+             HAVING count(g.id) <> CASE WHEN e.parent_execution IS NULL THEN 9 ELSE 1 END
+                 OR count(g.fired_at) <> count(g.id)
+              LIMIT 5",
         )
         .await?,
     );
@@ -147,7 +152,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                                     FROM confluo_stress.seen s
                                    WHERE s.execution_id = e.id AND s.handler = 'left') s
                       ON true
-              WHERE e.status = 'completed'
+              WHERE e.status = 'completed' AND e.parent_execution IS NULL
                 AND (b.branch ->> 'arm' IS DISTINCT FROM
                          CASE WHEN s.total % 2 = 0 THEN 'even' ELSE 'odd' END
                      OR a.arms IS DISTINCT FROM b.branch ->> 'arm'
@@ -178,7 +183,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                         CASE WHEN t.worker_id = 'confluo:signal'
                              THEN t.output = s.payload AND t.output ->> 'approved' = e.id::text
                              ELSE t.output = '{\"approved\": null}'::jsonb END)
-                 OR min(u.output::text) IS DISTINCT FROM min(t.output::text)
+                 OR min((u.output -> 0 -> 'wait')::text) IS DISTINCT FROM min(t.output::text)
               LIMIT 5",
         )
         .await?,
@@ -188,9 +193,60 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
         rows(
             pool,
             "SELECT e.id::text FROM confluo.execution e
-              WHERE e.status = 'completed'
+              WHERE e.status = 'completed' AND e.parent_execution IS NULL
                 AND (SELECT count(DISTINCT handler) FROM confluo_stress.seen s
                       WHERE s.execution_id = e.id) <> 2
+              LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "every child started once for its member, which reports the child's end",
+        rows(
+            pool,
+            &format!(
+                "(SELECT t.id || ' (' || t.status || '): ' || count(c.id) || ' children, '
+                        || COALESCE(string_agg(c.status, ','), 'none')
+                   FROM confluo.task_all t
+                   LEFT JOIN confluo.execution c ON c.parent_task = t.id
+                   LEFT JOIN confluo.task_all a ON a.execution_id = c.id AND a.handler = 'audit'
+                  WHERE t.handler = 'confluo:child'
+                  GROUP BY t.id, t.status, t.execution_id, t.output
+                 HAVING count(c.id) <> 1
+                     OR bool_or(c.parent_execution IS DISTINCT FROM t.execution_id)
+                     OR bool_or(t.status = 'completed' AND (c.status <> 'completed'
+                                OR t.output IS DISTINCT FROM a.output))
+                     OR bool_or(t.status = 'dead' AND c.status = 'completed')
+                  LIMIT 5)
+                 UNION ALL
+                 (SELECT e.id || ': ' || count(t.id) || ' audit members'
+                   FROM confluo.execution e
+                   JOIN confluo.stage_group g ON g.execution_id = e.id AND g.kind = 'map_workflow'
+                   LEFT JOIN confluo.task_all t ON t.group_id = g.id
+                  GROUP BY e.id HAVING count(t.id) <> {AUDITS}
+                  LIMIT 5)
+                 UNION ALL
+                 (SELECT c.id || ' has no member' FROM confluo.execution c
+                  WHERE c.parent_execution IS NOT NULL
+                    AND NOT EXISTS (SELECT 1 FROM confluo.task_all t WHERE t.id = c.parent_task)
+                  LIMIT 5)"
+            ),
+        )
+        .await?,
+    );
+    add(
+        "every completed execution's audits received its total's requests",
+        rows(
+            pool,
+            "SELECT c.id || ': audit of ' || c.input::text || ' gave ' || COALESCE(a.output::text, '-')
+               FROM confluo.execution c
+               JOIN confluo.task_all a ON a.execution_id = c.id AND a.handler = 'audit'
+               JOIN confluo.task_all m ON m.id = c.parent_task
+               JOIN confluo.task_all u ON u.execution_id = m.execution_id AND u.handler = 'total'
+              WHERE c.status = 'completed'
+                AND (c.input IS DISTINCT FROM u.output -> m.item_index
+                     OR a.output IS DISTINCT FROM
+                        jsonb_build_object('audited', m.item_index, 'wait', u.output -> 0 -> 'wait'))
               LIMIT 5",
         )
         .await?,

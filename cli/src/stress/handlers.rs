@@ -19,10 +19,11 @@ pub const MEMBER_TIMEOUT: Duration = Duration::from_secs(1);
 /// total: `even` or `odd`, a step each, passing the block's output on) -> rest (a durable
 /// sleep of 20 ms, passing it on again) -> approval (a signal wait, sent by the run's
 /// approver at any moment of an execution, or timed out after 300 ms with `{"approved":
-/// null}`) -> total (a step, returning what the wait gave it).
+/// null}`) -> total (a step, returning [`AUDITS`] audit requests, each carrying what the
+/// wait gave it) -> audits (a map of child workflows, [`audit_workflow`], one per request).
 ///
 /// Stages as numbered: split 0, member 1, checks 2, parity 3, even 4, odd 5, rest 6,
-/// approval 7, total 8.
+/// approval 7, total 8, audits 9.
 pub fn workflow() -> Workflow {
     let retry =
         RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
@@ -43,6 +44,25 @@ pub fn workflow() -> Workflow {
                 .on_timeout(json!({"approved": null})),
         )
         .step("total")
+        .stage(Stage::map_workflow("audits", AUDIT_WORKFLOW))
+}
+
+/// The child workflow of the `audits` stage: one step, `audit`, with the member map's
+/// retries, timeout and faults (so whole children fail, and their members with them).
+pub fn audit_workflow() -> Workflow {
+    let retry =
+        RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
+    Workflow::new(AUDIT_WORKFLOW, 1)
+        .stage(Stage::step("audit").retry(retry).timeout(MEMBER_TIMEOUT))
+}
+
+pub const AUDIT_WORKFLOW: &str = "stress_audit";
+/// Children each execution's `audits` stage starts.
+pub const AUDITS: usize = 3;
+
+/// What an audit child returns for its input `{"i": k, "wait": ...}`.
+pub fn audit_output(input: &Value) -> Value {
+    json!({"audited": input["i"], "wait": input["wait"]})
 }
 
 /// The signal the approval stage waits for: its payload is `{"approved": <execution id>}`.
@@ -57,7 +77,8 @@ pub struct HandlerFaults {
     /// Fraction of member attempts that fail with a retryable error.
     #[arg(long, default_value_t = 0.0)]
     pub error_rate: f64,
-    /// Fraction of members that fail every attempt, ending dead-lettered.
+    /// Fraction of members that fail every attempt, ending dead-lettered (ten times as
+    /// many audit children, whose members then fail too).
     #[arg(long, default_value_t = 0.0)]
     pub exhaust_rate: f64,
     /// Fraction of member attempts whose handler panics.
@@ -189,7 +210,15 @@ impl Context {
                 output["arm"] = json!(task.handler);
                 Ok(output)
             }
-            "total" => Ok(input.clone()),
+            "total" => Ok(json!((0..AUDITS)
+                .map(|i| json!({"i": i, "wait": input}))
+                .collect::<Vec<_>>())),
+            "audit" => {
+                if inject {
+                    self.inject(&task).await?;
+                }
+                Ok(audit_output(input))
+            }
             // A sleep's task, when the rogue client claims one (workers run it themselves).
             "confluo:sleep" => Ok(Value::Null),
             // A signal wait's timeout, likewise: the output the stage gives on a timeout.
@@ -201,8 +230,14 @@ impl Context {
     async fn inject(&self, task: &Task<'_>) -> Result<(), TaskError> {
         let f = &self.faults;
         let per_attempt = |kind: &str| roll(self.seed, (kind, task.task_id, task.attempt));
-        if roll(self.seed, ("exhaust", task.execution_id, task.item_index)) < f.exhaust_rate {
-            self.record_fault("exhausted attempt").await;
+        // Children are few (three per execution): ten times the rate, or a small run
+        // would see no child fail.
+        let (exhaust_rate, exhausted) = match task.handler {
+            "audit" => ((f.exhaust_rate * 10.0).min(1.0), "exhausted child attempt"),
+            _ => (f.exhaust_rate, "exhausted attempt"),
+        };
+        if roll(self.seed, ("exhaust", task.execution_id, task.item_index)) < exhaust_rate {
+            self.record_fault(exhausted).await;
             return Err(TaskError::retryable("injected: this member always fails"));
         }
         if per_attempt("error") < f.error_rate {
@@ -220,11 +255,12 @@ impl Context {
         Ok(())
     }
 
-    /// Registers every stress handler on a worker.
+    /// Registers every stress handler on a worker, the audit child's included.
     pub fn install(&self, mut worker: WorkerBuilder) -> WorkerBuilder {
-        for name in HANDLERS {
+        let all = HANDLERS.map(|h| (WORKFLOW, h));
+        for (workflow, name) in all.into_iter().chain([(AUDIT_WORKFLOW, "audit")]) {
             let ctx = self.clone();
-            worker = worker.handler(WORKFLOW, name, move |t| {
+            worker = worker.handler(workflow, name, move |t| {
                 let ctx = ctx.clone();
                 async move {
                     let task = Task {

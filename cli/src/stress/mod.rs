@@ -251,6 +251,7 @@ async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result
     )
     .execute(engine.pool())
     .await?;
+    engine.register(&handlers::audit_workflow()).await?;
     engine.register(&handlers::workflow()).await?;
     Ok(options)
 }
@@ -415,7 +416,8 @@ pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow:
     let mut peak = 0i64;
     loop {
         let (terminal, open, connections): (i64, i64, i64) = sqlx::query_as(
-            "SELECT (SELECT count(*) FROM confluo.execution WHERE status <> 'running'),
+            "SELECT (SELECT count(*) FROM confluo.execution
+                      WHERE status <> 'running' AND parent_execution IS NULL),
                     (SELECT count(*) FROM confluo.task_all WHERE status IN ('pending', 'running')),
                     (SELECT count(*) FROM pg_stat_activity
                       WHERE backend_type = 'client backend' AND datname = current_database())",
@@ -506,13 +508,24 @@ async fn summary(
     elapsed: Duration,
     seen: &chaos::Seen,
 ) -> anyhow::Result<String> {
-    let (completed, failed, cancelled, timed_out): (i64, i64, i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE status = 'completed'), count(*) FILTER (WHERE status = 'failed'),
-                count(*) FILTER (WHERE status = 'cancelled'), count(*) FILTER (WHERE status = 'timed_out')
-           FROM confluo.execution",
-    )
-    .fetch_one(pool)
-    .await?;
+    let counts = |parents: bool| {
+        sqlx::query_as::<_, (i64, i64, i64, i64, i64)>(
+            "SELECT count(*), count(*) FILTER (WHERE status = 'completed'),
+                    count(*) FILTER (WHERE status = 'failed'),
+                    count(*) FILTER (WHERE status = 'cancelled'),
+                    count(*) FILTER (WHERE status = 'timed_out')
+               FROM confluo.execution WHERE (parent_execution IS NULL) = $1",
+        )
+        .bind(parents)
+        .fetch_one(pool)
+    };
+    let outcomes = |(n, completed, failed, cancelled, timed_out): (i64, i64, i64, i64, i64)| {
+        format!(
+            "{n} ({completed} completed, {failed} failed, {cancelled} cancelled, {timed_out} timed out)"
+        )
+    };
+    let executions = outcomes(counts(true).await?);
+    let children = outcomes(counts(false).await?);
     let (deadlines, tasks, retries, dead, fired): (i64, i64, i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM confluo.execution WHERE deadline_at IS NOT NULL),
                 (SELECT count(*) FROM confluo.task_all),
@@ -530,13 +543,8 @@ async fn summary(
     let mut out = String::from("\nsummary\n");
     let mut line = |k: &str, v: String| out += &format!("  {k:<28} {v}\n");
     line("strategy", args.strategy.to_string());
-    line(
-        "executions",
-        format!(
-            "{} ({completed} completed, {failed} failed, {cancelled} cancelled, {timed_out} timed out)",
-            args.executions
-        ),
-    );
+    line("executions", executions);
+    line("child executions (audits)", children);
     line("tasks", tasks.to_string());
     line("retries (extra attempts)", retries.to_string());
     line("dead letters", dead.to_string());
@@ -553,6 +561,10 @@ async fn summary(
     line(
         "  executions cancelled",
         seen.cancelled.load(Ordering::Relaxed).to_string(),
+    );
+    line(
+        "  child executions cancelled",
+        seen.children_cancelled.load(Ordering::Relaxed).to_string(),
     );
     line("  deadlines set", deadlines.to_string());
     line(
