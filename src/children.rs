@@ -9,16 +9,52 @@
 //! fires exactly once, and a member whose parent has stopped is cancelled instead.
 
 use serde_json::Value;
+use sqlx::PgConnection;
 
+use crate::dispatch::enter_first_stage_many;
 use crate::engine::Engine;
 use crate::error::{retry_conflicts, Result};
 use crate::execution::ExecutionStatus;
+use crate::fanin::FanInStrategy;
 use crate::handler::TaskError;
-use crate::ids::TaskId;
+use crate::ids::{ExecutionId, TaskId};
 use crate::store::{children, executions, groups};
 
 /// Children cancelled per transaction of the cascade.
 const CASCADE_BATCH: i64 = 500;
+
+/// Starts again, in the caller's transaction (a reprocess's), the children of the
+/// members among `requeued` whose child did not complete: one new execution each, of the
+/// same workflow, version and fan-in as the one it replaces, with the member's input,
+/// entering its first stage; the member waits for its end. A member whose child is still
+/// running waits for that one, and one whose child completed reports its output. Returns
+/// the new children. The ended children must be locked first
+/// ([`children::lock_of_stopped_members`]).
+pub(crate) async fn restart(
+    engine: &Engine,
+    conn: &mut PgConnection,
+    requeued: &[TaskId],
+) -> Result<Vec<ExecutionId>> {
+    let plan = children::restart(conn, requeued).await?;
+    let mut started = Vec::new();
+    // The rows come by group, workflow, version and fan-in: one start per run of them.
+    for batch in plan.chunk_by(|a, b| {
+        (a.group_id, &a.workflow_name, a.workflow_version, &a.fan_in)
+            == (b.group_id, &b.workflow_name, b.workflow_version, &b.fan_in)
+    }) {
+        let first = &batch[0];
+        let child = engine
+            .definition_to_start(conn, &first.workflow_name, Some(first.workflow_version))
+            .await?;
+        // A stored strategy is one the engine wrote; the default covers nothing else.
+        let fan_in = first.fan_in.parse().unwrap_or(FanInStrategy::Countdown);
+        let members: Vec<TaskId> = batch.iter().map(|r| r.member).collect();
+        let ids = children::start(conn, first.group_id, Some(&members), &child, fan_in).await?;
+        enter_first_stage_many(engine, conn, &child, &ids, fan_in).await?;
+        started.extend(ids);
+    }
+    Ok(started)
+}
 
 impl Engine {
     /// What the member `task` of a map of child workflows reports: its child's output

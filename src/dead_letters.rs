@@ -19,6 +19,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result, CONFLICT_RETRIES};
 use crate::execution::{AttemptError, ExecutionStatus};
 use crate::ids::{ExecutionId, TaskId};
+use crate::store::children;
 use crate::store::dead_letters::{self, DeadLetterRow};
 use crate::store::executions;
 use crate::store::history;
@@ -161,6 +162,11 @@ pub struct Reprocessed {
     /// Every task put back in the queue: the reprocessed one, and with a resume the other
     /// dead and cancelled members of the stage that failed.
     pub requeued: Vec<TaskId>,
+    /// The child executions started again for requeued members of a map of child
+    /// workflows whose child had failed, been cancelled or timed out (each member waits
+    /// for its new child; one whose child completed reports its output, one whose child
+    /// still runs waits for it).
+    pub restarted_children: Vec<ExecutionId>,
     /// Whether the task's group had already fired: its new result is recorded, but the
     /// next stage, which already ran, is not dispatched again.
     pub group_fired: bool,
@@ -222,6 +228,14 @@ impl Engine {
     /// parallel stage after it reads its input when claimed, so if it has not been claimed
     /// yet it sees the new result; a map after it got its members' inputs when entered.
     ///
+    /// A requeued member of a map of child workflows whose child failed, was cancelled or
+    /// timed out gets a new child (same workflow and version, the member's input), started
+    /// in the same transaction, and waits for its end; the old child stays listed under
+    /// the parent, no longer linked to the member ([`Reprocessed::restarted_children`]).
+    /// One whose child completed reports that child's output, and one whose child still
+    /// runs waits for it. To keep a failed child's completed steps instead, reprocess the
+    /// child's own dead letter first, then (once it has completed) the member.
+    ///
     /// ```no_run
     /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
     /// for dead in engine.dead_letters(&confluo::DeadLetterFilter::new()).await? {
@@ -282,6 +296,9 @@ impl Engine {
         if ExecutionStatus::parse(&status) != seen {
             return Ok(None);
         }
+        // The children of its dead and cancelled members next (executions before tasks):
+        // a requeued member's child is read, and may start again.
+        children::lock_of_stopped_members(&mut tx, execution).await?;
         // An archived execution's tasks come back to the task table first (tasks after the
         // execution, in the lock order); a rollback below leaves them archived.
         if resume {
@@ -300,6 +317,8 @@ impl Engine {
         if resume && deadline_passed {
             return Err(Error::DeadlinePassed { execution });
         }
+        let ids: Vec<TaskId> = requeued.iter().map(|r| r.id).collect();
+        let restarted_children = crate::children::restart(self, &mut tx, &ids).await?;
         let resumed = resume && executions::resume(&mut tx, execution).await?;
         let group_fired = dead_letters::group_fired(&mut tx, own.group_id).await?;
         tx.commit().await?;
@@ -308,6 +327,7 @@ impl Engine {
             execution_id = %execution,
             resumed,
             requeued = requeued.len(),
+            restarted_children = restarted_children.len(),
             group_fired,
             "dead letter reprocessed"
         );
@@ -315,7 +335,8 @@ impl Engine {
             task_id: task,
             execution_id: execution,
             resumed,
-            requeued: requeued.into_iter().map(|r| r.id).collect(),
+            requeued: ids,
+            restarted_children,
             group_fired,
         }))
     }

@@ -388,7 +388,7 @@ async fn start_children(
             )));
         }
     }
-    let ids = children::start(conn, group, &child, fan_in).await?;
+    let ids = children::start(conn, group, None, &child, fan_in).await?;
     enter_first_stage_many(engine, conn, &child, &ids, fan_in).await?;
     Ok(Ok(()))
 }

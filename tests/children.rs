@@ -9,10 +9,11 @@ mod common;
 
 use std::time::Duration;
 
+use common::family::{children, claim_of, members};
 use common::{claim_n, quick_worker, race_completions, TestDb, STRATEGIES, WAIT};
 use confluo::{
-    Engine, Error, ExecutionId, ExecutionStatus, FanInStrategy, Outcome, Stage, StartOptions,
-    TaskError, Workflow,
+    Error, ExecutionId, ExecutionStatus, FanInStrategy, Outcome, Stage, StartOptions, TaskError,
+    Workflow,
 };
 use serde_json::json;
 
@@ -30,31 +31,6 @@ fn parent(name: &str, strategy: FanInStrategy) -> Workflow {
         .stage(Stage::step("after").fan_in(strategy))
 }
 
-/// The children of `parent`, by member index: `(id, status)`.
-async fn children(db: &TestDb, parent: ExecutionId) -> Vec<(ExecutionId, String)> {
-    sqlx::query_as(
-        "SELECT c.id, c.status FROM confluo.execution c
-           JOIN confluo.task_all t ON t.id = c.parent_task
-          WHERE c.parent_execution = $1 ORDER BY t.item_index",
-    )
-    .bind(parent)
-    .fetch_all(&db.pool)
-    .await
-    .unwrap()
-}
-
-/// The statuses of `parent`'s members (its map of children), by index.
-async fn members(db: &TestDb, parent: ExecutionId) -> Vec<String> {
-    sqlx::query_scalar(
-        "SELECT status FROM confluo.task_all
-          WHERE execution_id = $1 AND handler = 'confluo:child' ORDER BY item_index",
-    )
-    .bind(parent)
-    .fetch_all(&db.pool)
-    .await
-    .unwrap()
-}
-
 /// How many groups of `stage` the execution fired, and how many tasks `handler` it has.
 async fn fired_and_tasks(db: &TestDb, id: ExecutionId, stage: &str, handler: &str) -> (i64, i64) {
     sqlx::query_as(
@@ -68,34 +44,6 @@ async fn fired_and_tasks(db: &TestDb, id: ExecutionId, stage: &str, handler: &st
     .fetch_one(&db.pool)
     .await
     .unwrap()
-}
-
-/// Claims the tasks of `handler` of the workflow `workflow` until `n` are in hand.
-async fn claim_of(
-    engine: &Engine,
-    workflow: &str,
-    handler: &str,
-    n: usize,
-) -> Vec<confluo::ClaimedTask> {
-    let mut tasks = Vec::new();
-    for _ in 0..200 {
-        tasks.extend(
-            engine
-                .claim_for(
-                    "test",
-                    &[(workflow, handler)],
-                    n - tasks.len(),
-                    Duration::from_secs(60),
-                )
-                .await
-                .unwrap(),
-        );
-        if tasks.len() == n {
-            return tasks;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("claimed {} of {n} {handler} tasks", tasks.len());
 }
 
 /// Writes an execution's status behind the engine's back (a defect the auditor must find).

@@ -188,6 +188,12 @@ async fn reprocess(engine: Engine, args: ReprocessArgs) -> anyhow::Result<ExitCo
                     if r.resumed {
                         line += &format!("; execution {} resumed", r.execution_id);
                     }
+                    if !r.restarted_children.is_empty() {
+                        line += &format!(
+                            "; {} child execution(s) started again",
+                            r.restarted_children.len()
+                        );
+                    }
                     if r.group_fired {
                         line += "; its group already fired, so the next stage will not run again";
                     }

@@ -39,12 +39,13 @@ pub(crate) fn notify_woken_sql(channel: &str) -> String {
 }
 
 /// Starts one execution of `child` per member of the group `group` (a map of child
-/// workflows entered in the caller's transaction), each with its member's input, linked
-/// to the member (`parent_task`) and to the parent execution, in one statement. Returns
-/// the new executions.
+/// workflows entered in the caller's transaction), or only of the members `only`, each
+/// with its member's input, linked to the member (`parent_task`) and to the parent
+/// execution, in one statement. Returns the new executions.
 pub(crate) async fn start(
     conn: &mut PgConnection,
     group: GroupId,
+    only: Option<&[TaskId]>,
     child: &Workflow,
     fan_in: FanInStrategy,
 ) -> Result<Vec<ExecutionId>> {
@@ -54,7 +55,7 @@ pub(crate) async fn start(
                  parent_execution, parent_task)
          SELECT gen_random_uuid(), $2, $3, t.input, $4, $5, t.execution_id, t.id
            FROM confluo.task t
-          WHERE t.group_id = $1
+          WHERE t.group_id = $1 AND ($6::uuid[] IS NULL OR t.id = ANY($6))
           ORDER BY t.item_index
          RETURNING id",
     )
@@ -63,6 +64,79 @@ pub(crate) async fn start(
     .bind(child.version())
     .bind(fan_in.as_str())
     .bind(child.callback_url())
+    .bind(only)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Locks, in id order, the children of the dead and cancelled members of the execution
+/// `parent`, locked by the caller: those a reprocess of the parent requeues, and whose
+/// child [`restart`] then reads. Locked, a running child cannot end between that read and
+/// the reprocess's commit (its end would find its member not yet pending, and the member
+/// would wait for nothing); one ending now is waited for, and read ended. The parent's
+/// execution, then its children's, then tasks: executions before tasks, a parent before
+/// its children (a child's end never waits for its parent's execution, so this cannot
+/// close a cycle).
+pub(crate) async fn lock_of_stopped_members(
+    conn: &mut PgConnection,
+    parent: ExecutionId,
+) -> Result<()> {
+    super::query(
+        "SELECT c.id FROM confluo.execution c
+          WHERE c.parent_execution = $1
+            AND c.parent_task IN (SELECT t.id FROM confluo.task_all t
+                                   WHERE t.execution_id = $1
+                                     AND t.status IN ('dead', 'cancelled'))
+          ORDER BY c.id
+            FOR NO KEY UPDATE OF c",
+    )
+    .bind(parent)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A member whose child is to start again: the member, its group, and the workflow,
+/// version and fan-in of the child it had.
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct Restart {
+    pub member: TaskId,
+    pub group_id: GroupId,
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    pub fan_in: String,
+}
+
+/// For the members of child workflows among `requeued` (just put back in the queue by a
+/// reprocess, in the caller's transaction): those whose child completed stay due (they
+/// report its output); the others wait for a child's end (`run_at` infinity): the one
+/// still running, or a new one for those whose child failed, was cancelled or timed out,
+/// whose old child is unlinked from its member (it stays its parent's, for the record).
+/// Returns the members that need a new child, by group. The ended children must be locked
+/// first ([`lock_of_stopped_members`]).
+pub(crate) async fn restart(conn: &mut PgConnection, requeued: &[TaskId]) -> Result<Vec<Restart>> {
+    Ok(super::query_as(
+        "WITH m AS (
+            SELECT t.id AS member, t.group_id, c.id AS child, c.status, c.workflow_name,
+                   c.workflow_version, c.fan_in
+              FROM confluo.task t
+              JOIN LATERAL (SELECT x.id, x.status, x.workflow_name, x.workflow_version, x.fan_in
+                              FROM confluo.execution x WHERE x.parent_task = t.id
+                             ORDER BY x.created_at DESC LIMIT 1) c ON true
+             WHERE t.id = ANY($1) AND t.handler = $2
+         ), waiting AS (
+            UPDATE confluo.task t SET run_at = 'infinity'
+              FROM m WHERE t.id = m.member AND m.status <> 'completed'
+         ), unlinked AS (
+            UPDATE confluo.execution c SET parent_task = NULL
+              FROM m WHERE c.id = m.child AND m.status NOT IN ('running', 'completed')
+         )
+         SELECT member, group_id, workflow_name, workflow_version, fan_in FROM m
+          WHERE status NOT IN ('running', 'completed')
+          ORDER BY group_id, workflow_name, workflow_version, fan_in, member",
+    )
+    .bind(requeued)
+    .bind(crate::definition::CHILD_HANDLER)
     .fetch_all(conn)
     .await?)
 }

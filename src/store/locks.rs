@@ -29,7 +29,12 @@
 //! ([`children`](super::children)). No transaction that holds such a member waits for a
 //! row of another execution: a parent's stop cancels its members and leaves its children
 //! to the cascade, which runs after it commits and skips locked children; the member's
-//! completion reads its child without locking it. So it closes no cycle.
+//! completion reads its child without locking it. So it closes no cycle. And a reprocess
+//! locks its execution, then the children of its dead and cancelled members (in id
+//! order), then tasks: executions first, but a parent's before its children's rather
+//! than all in id order. No transaction waits for a parent's execution while holding a
+//! child's (a child's end takes the member, never the parent's execution), so this
+//! closes none either.
 //!
 //! The re-counting strategies (row-lock, and the naive
 //! demonstration) write the task's status and then lock the execution. They hold no

@@ -8,6 +8,8 @@
 //! message saying how to provide one.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod family;
+
 use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 use std::sync::OnceLock;
