@@ -1,5 +1,6 @@
 //! The schedule explorer: K members of one group finish together, each through the
-//! engine's own `complete` on a connection of its own behind a [`Gate`]. At each step
+//! engine's own `complete` on a connection of its own behind a [`Gate`], or K arrivals
+//! decide one signal wait (signals, its timeout, the entry of the wait). At each step
 //! the explorer lets one finisher's next statement reach the server; a statement that
 //! blocks on a lock is noticed (`pg_blocking_pids`) and the others move on. Every
 //! interleaving is explored depth first (each run replays a prefix of choices from a
@@ -7,7 +8,9 @@
 
 use std::time::{Duration, Instant};
 
-use confluo::{ClaimedTask, Engine, ExecutionId, FanInStrategy, Outcome, Stage, Workflow};
+use confluo::{
+    ClaimedTask, Engine, ExecutionId, FanInStrategy, Outcome, SignalOutcome, Stage, Workflow,
+};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
@@ -29,7 +32,26 @@ pub enum End {
     Complete,
     /// `fail(.., permanent)`: dead-lettered in a transaction that also decides fan-in.
     DeadLetter,
+    /// `Engine::signal` to a wait (the wait workflow): received, or kept for a wait not
+    /// entered yet, decides it; told already received, or too late, it changes nothing.
+    Signal,
+    /// A worker timing the wait out: its claim of the wait's task (due at once), then
+    /// `run_builtin`; finding nothing to claim, it changes nothing.
+    Timeout,
+    /// The completion of the step before the wait, which enters the wait (and hands it
+    /// a signal kept for it).
+    EnterWait,
 }
+
+impl End {
+    /// Whether it arrives at a signal wait (the wait workflow) rather than a map's group.
+    fn waits(self) -> bool {
+        matches!(self, End::Signal | End::Timeout | End::EnterWait)
+    }
+}
+
+/// The signal the wait workflow waits for.
+const SIGNAL: &str = "approval";
 
 /// What one schedule did.
 #[derive(Debug, Clone)]
@@ -74,21 +96,46 @@ pub struct Explorer {
     pool: PgPool,
     finishers: Vec<Finisher>,
     workflow: String,
+    /// The wait workflow (`before → approval wait → after`) rather than the map's.
+    wait: bool,
 }
 
 impl Explorer {
     /// One finisher per entry of `ends` against the database of `options`, for groups
-    /// decided by `strategy`.
+    /// decided by `strategy`: members of a map, or, when `ends` arrive at a signal wait
+    /// (all of them must), arrivals at a wait that times out at once.
     pub async fn new(
         pool: PgPool,
         options: &PgConnectOptions,
         strategy: FanInStrategy,
         ends: &[End],
     ) -> Explorer {
-        let workflow = format!("explore-{strategy}");
-        let wf = Workflow::new(&workflow, 1)
-            .stage(Stage::map("member").fan_in(strategy))
-            .step("after");
+        let wait = ends.iter().any(|e| e.waits());
+        assert!(
+            ends.iter().all(|e| e.waits() == wait),
+            "map and wait arrivals in one schedule"
+        );
+        let (workflow, wf) = if wait {
+            let workflow = format!("explore-wait-{strategy}");
+            let wf = Workflow::new(&workflow, 1)
+                .stage(Stage::step("before").fan_in(strategy))
+                .stage(
+                    Stage::from(
+                        Stage::signal(SIGNAL)
+                            .within(Duration::from_millis(1))
+                            .on_timeout(json!("timed out")),
+                    )
+                    .fan_in(strategy),
+                )
+                .stage(Stage::step("after").fan_in(strategy));
+            (workflow, wf)
+        } else {
+            let workflow = format!("explore-{strategy}");
+            let wf = Workflow::new(&workflow, 1)
+                .stage(Stage::map("member").fan_in(strategy))
+                .step("after");
+            (workflow, wf)
+        };
         let setup = Engine::new(pool.clone());
         setup.register(&wf).await.expect("register");
         let mut finishers = Vec::new();
@@ -108,6 +155,7 @@ impl Explorer {
             pool,
             finishers,
             workflow,
+            wait,
         }
     }
 
@@ -148,7 +196,8 @@ impl Explorer {
     }
 
     /// One schedule: a fresh group of K members, claimed, then completed together with
-    /// the choices of `prefix` first, then the first runnable finisher (or a random one).
+    /// the choices of `prefix` first, then the first runnable finisher (or a random one);
+    /// or a fresh wait, entered first unless a finisher enters it, and due to time out.
     async fn run(&self, prefix: &[usize], mut rng: Option<&mut u64>) -> Run {
         let k = self.finishers.len();
         let input: Vec<usize> = (0..k).collect();
@@ -157,7 +206,27 @@ impl Explorer {
             .start(&self.workflow, &input)
             .await
             .expect("start");
-        let tasks = claim(&self.setup, execution, k).await;
+        let mut tasks = if self.wait {
+            // The step before the wait: completed here, or by the finisher that enters.
+            let before = claim(&self.setup, execution, 1).await.remove(0);
+            if self.finishers.iter().any(|f| f.end == End::EnterWait) {
+                vec![Some(before)]
+            } else {
+                self.setup
+                    .complete(&before, json!("before"))
+                    .await
+                    .expect("enter the wait");
+                tokio::time::sleep(Duration::from_millis(5)).await; // its timeout is due
+                Vec::new()
+            }
+        } else {
+            claim(&self.setup, execution, k)
+                .await
+                .into_iter()
+                .map(Some)
+                .collect()
+        }
+        .into_iter();
         let mut pids = Vec::new();
         for f in &self.finishers {
             pids.push(
@@ -171,16 +240,21 @@ impl Explorer {
         let handles: Vec<_> = self
             .finishers
             .iter()
-            .zip(tasks)
             .enumerate()
-            .map(|(i, (f, task))| {
+            .map(|(i, f)| {
                 let (engine, end) = (f.engine.clone(), f.end);
-                tokio::spawn(async move {
-                    match end {
-                        End::Complete => engine.complete(&task, json!(i)).await,
-                        End::DeadLetter => engine.fail(&task, "injected", true).await,
-                    }
-                })
+                let task = match end {
+                    End::Complete | End::DeadLetter | End::EnterWait => tasks.next().flatten(),
+                    End::Signal | End::Timeout => None,
+                };
+                tokio::spawn(arrive(
+                    engine,
+                    end,
+                    task,
+                    execution,
+                    self.workflow.clone(),
+                    i,
+                ))
             })
             .collect();
 
@@ -222,17 +296,14 @@ impl Explorer {
             f.gate.arm(false);
         }
         for h in handles {
-            match h.await.expect("finisher panicked").expect("complete") {
-                Outcome::Completed { fired } | Outcome::DeadLettered { fired } => {
-                    run.fired += usize::from(fired)
-                }
-                other => panic!("unexpected outcome {other:?}"),
-            }
+            run.fired += usize::from(h.await.expect("finisher panicked"));
         }
+        // The stage after the decided group: the map's `after` (1), or the wait's (2).
         run.dispatched = sqlx::query_scalar(
-            "SELECT count(*) FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = 1",
+            "SELECT count(*) FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = $2",
         )
         .bind(execution)
+        .bind(if self.wait { 2 } else { 1 })
         .fetch_one(&self.pool)
         .await
         .expect("count dispatches");
@@ -245,7 +316,7 @@ impl Explorer {
     /// lock may not have woken yet); returns the held statements.
     async fn quiesce(
         &self,
-        handles: &[tokio::task::JoinHandle<confluo::Result<Outcome>>],
+        handles: &[tokio::task::JoinHandle<bool>],
         pids: &[i32],
     ) -> Vec<(usize, String)> {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -305,6 +376,51 @@ impl Summary {
         }
         if !(run.dispatched == 1 && run.fired == 1) && self.first_violation.is_none() {
             self.first_violation = Some(run);
+        }
+    }
+}
+
+/// One finisher's arrival; whether it was told it decided the group (`fired`, a signal
+/// received or kept, a timeout that completed the wait).
+async fn arrive(
+    engine: Engine,
+    end: End,
+    task: Option<ClaimedTask>,
+    execution: ExecutionId,
+    workflow: String,
+    i: usize,
+) -> bool {
+    let told = |outcome: Outcome| match outcome {
+        Outcome::Completed { fired } | Outcome::DeadLettered { fired } => fired,
+        other => panic!("unexpected outcome {other:?}"),
+    };
+    match end {
+        End::Complete => told(engine.complete(&task.unwrap(), json!(i)).await.unwrap()),
+        End::DeadLetter => told(engine.fail(&task.unwrap(), "injected", true).await.unwrap()),
+        // Entering the wait decides nothing: a signal kept for it was told so.
+        End::EnterWait => {
+            engine
+                .complete(&task.unwrap(), json!("before"))
+                .await
+                .unwrap();
+            false
+        }
+        End::Signal => match engine.signal(execution, SIGNAL, json!(i)).await.unwrap() {
+            SignalOutcome::Received | SignalOutcome::Kept => true,
+            SignalOutcome::AlreadyReceived | SignalOutcome::TooLate => false,
+            other => panic!("unexpected signal outcome {other:?}"),
+        },
+        End::Timeout => {
+            // The wait's task only: once a signal decided, `after`'s is due too.
+            let wait = [(workflow.as_str(), "confluo:signal")];
+            let claimed = engine
+                .claim_for("explorer-timeout", &wait, 1, Duration::from_secs(300))
+                .await
+                .unwrap();
+            match claimed.first() {
+                Some(wait) => told(engine.run_builtin(wait).await.unwrap().unwrap()),
+                None => false, // a signal took the wait first
+            }
         }
     }
 }

@@ -3,7 +3,8 @@
 //! statement by statement, over separate connections, in every order (K = 2 and 3) or in
 //! random orders (K = 5).
 //! `naive` must stall on some schedule; every other strategy must dispatch exactly once
-//! on every schedule.
+//! on every schedule. A signal wait decided by signals, its timeout and its entry must
+//! likewise be decided once on every schedule (K = 2), or on random ones (K = 3).
 //!
 //! `cargo test --test schedules -- --nocapture` prints the table the README quotes.
 
@@ -27,10 +28,10 @@ async fn explore(strategy: FanInStrategy, ends: &[End], sample: Option<usize>) -
         None => explorer.exhaustive(LIMIT).await,
         Some(n) => explorer.random(n, 0x5eed + k as u64).await,
     };
-    let mixed = if ends.contains(&End::DeadLetter) {
-        "+dead"
-    } else {
-        ""
+    let mixed = match ends {
+        e if e.contains(&End::DeadLetter) => "+dead".to_owned(),
+        e if e.iter().any(|e| *e != End::Complete) => format!(" {e:?}"),
+        _ => String::new(),
     };
     println!(
         "{strategy:<10} K={k}{mixed:<5} {:<6} schedules {:>5}  exactly once {:>5}  stalls {:>4}  double fires {:>3}",
@@ -92,6 +93,47 @@ async fn striped_dispatches_exactly_once_on_every_schedule() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn row_lock_dispatches_exactly_once_on_every_schedule() {
     exactly_once_on_every_schedule(FanInStrategy::RowLock).await;
+}
+
+/// A signal wait decided by its signals, its timeout and its entry: every schedule
+/// must enter what follows the wait exactly once, with exactly one arrival told it
+/// decided (a signal received or kept, or the timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signal_waits_are_decided_exactly_once_on_every_schedule() {
+    use End::{EnterWait as E, Signal as S, Timeout as T};
+    let quick = std::env::var_os("CONFLUO_TEST_QUICK").is_some();
+    // Every schedule of two arrivals; of three (about a thousand each), a sample.
+    let cases: [(&[End], Option<usize>); 4] = [
+        (&[S, T], None),
+        (&[E, S], None),
+        (&[S, S, T], Some(40)),
+        (&[E, S, S], Some(40)),
+    ];
+    for strategy in [
+        FanInStrategy::Countdown,
+        FanInStrategy::Striped,
+        FanInStrategy::RowLock,
+    ] {
+        for (ends, sample) in cases {
+            if quick && ends.len() > 2 {
+                continue;
+            }
+            let summary = explore(strategy, ends, sample).await;
+            if let Some(run) = &summary.first_violation {
+                panic!(
+                    "{strategy} with {ends:?}: dispatched {} times, {} told they decided, on:\n{}",
+                    run.dispatched,
+                    run.fired,
+                    run.render()
+                );
+            }
+            assert_eq!(summary.exactly_once, summary.schedules);
+            assert!(
+                summary.schedules > 1,
+                "the explorer found a single schedule"
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
