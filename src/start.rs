@@ -214,7 +214,7 @@ impl Engine {
         )
         .await?;
         if created {
-            dispatch::enter(self, conn, id, &definition, Some(0), None, self.fan_in()).await?;
+            dispatch::start(self, conn, &definition, id, self.fan_in()).await?;
             tracing::debug!(execution_id = %id, workflow, "execution started");
         }
         Ok(Started { id, created })

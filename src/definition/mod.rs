@@ -6,6 +6,7 @@
 
 mod branch;
 mod child;
+mod dependencies;
 mod plan;
 mod retry;
 mod signal;
@@ -78,6 +79,9 @@ pub struct Stage {
     priority: i32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     fan_in: Option<FanInStrategy>,
+    /// The stages it waits for ([`Stage::after`]); `None`: the one listed before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    after: Option<Vec<String>>,
 }
 
 /// What a stage runs.
@@ -200,6 +204,7 @@ impl Stage {
             timeout_ms: default_timeout_ms(),
             priority: 0,
             fan_in: None,
+            after: None,
         }
     }
 

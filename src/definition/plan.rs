@@ -14,31 +14,82 @@
 //! for the last stage of an arm, the stage after the branch (`None` past the end). So
 //! indices only grow along any path an execution takes, and each index is entered at most
 //! once per execution (the `(execution_id, stage_index)` guard holds).
+//!
+//! With dependencies ([`Stage::after`]), the stages of the workflow's own list are the
+//! nodes of a graph (a branch with its arms is one node). A node *finishes* when its
+//! flow has nowhere further to go inside it (`next` is `None`): then every stage that
+//! waits for it is entered, directly when it waits for this node alone, through its
+//! countdown of unfinished dependencies when it waits for several; a node nothing waits
+//! for is the last stage, and the execution completes. `next` goes straight on only to
+//! a stage that waits for this node alone, when nothing else does; the list form is the
+//! chain in which every stage waits for the one before it, so its plan is as before.
 
+use super::dependencies;
 use super::{Stage, StageKind};
 
 /// The numbered stages of a workflow.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Plan {
     slots: Vec<Slot>,
+    /// For each node of the list (by plan index): the nodes that wait for it.
+    dependents: Vec<Vec<usize>>,
+    /// For each node of the list (by plan index): the nodes it waits for.
+    dependencies: Vec<Vec<usize>>,
+    /// The nodes entered when an execution starts (waiting for nothing).
+    roots: Vec<usize>,
 }
 
 /// One numbered stage.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Slot {
     pub stage: Stage,
-    /// Where its execution goes once it fired; `None`: it completes.
+    /// Where its execution goes once it fired; `None`: its node finishes.
     pub next: Option<usize>,
     /// For a branch: where each arm starts (its `next` for an empty arm), in arm order,
     /// then `otherwise` if it has one.
     pub entries: Vec<Option<usize>>,
+    /// The node (a stage of the workflow's list) it belongs to: itself, or the branch
+    /// whose arm holds it.
+    pub node: usize,
 }
 
 impl Plan {
     pub(crate) fn of(stages: &[Stage]) -> Plan {
-        let mut slots = Vec::with_capacity(size(stages));
-        place(stages, None, &mut slots);
-        Plan { slots }
+        // Each node's plan index: its arms come right after it.
+        let mut at = Vec::with_capacity(stages.len());
+        let mut index = 0;
+        for stage in stages {
+            at.push(index);
+            index += 1 + size_of_arms(stage);
+        }
+        let graph = dependencies::graph(stages);
+        let total = size(stages);
+        let (mut dependents, mut deps) = (vec![Vec::new(); total], vec![Vec::new(); total]);
+        for (k, waits_for) in graph.iter().enumerate() {
+            for &j in waits_for {
+                dependents[at[j]].push(at[k]);
+                deps[at[k]].push(at[j]);
+            }
+        }
+        let roots = (0..stages.len())
+            .filter(|&k| graph[k].is_empty())
+            .map(|k| at[k])
+            .collect();
+        let mut slots = Vec::with_capacity(total);
+        for (k, stage) in stages.iter().enumerate() {
+            // Straight on only to a stage that waits for this node alone, and nothing else does.
+            let next = match dependents[at[k]].as_slice() {
+                [only] if deps[*only].len() == 1 => Some(*only),
+                _ => None,
+            };
+            place_one(stage, next, at[k], &mut slots);
+        }
+        Plan {
+            slots,
+            dependents,
+            dependencies: deps,
+            roots,
+        }
     }
 
     /// The stage at `index`.
@@ -56,9 +107,36 @@ impl Plan {
         self.slots.len()
     }
 
-    /// Where the execution goes after stage `index` fires (`None`: it completes).
+    /// Where the execution goes straight on after stage `index` fires (`None`: its node
+    /// finishes, see [`node`](Self::node)).
     pub(crate) fn next(&self, index: usize) -> Option<usize> {
         self.slots.get(index).and_then(|s| s.next)
+    }
+
+    /// Whether the execution completes once stage `index` fires: its node's flow ends
+    /// there and nothing waits for the node (it is the last stage).
+    pub(crate) fn ends_after(&self, index: usize) -> bool {
+        self.next(index).is_none() && self.dependents(self.node(index)).is_empty()
+    }
+
+    /// The node that stage `index` belongs to.
+    pub(crate) fn node(&self, index: usize) -> usize {
+        self.slots.get(index).map_or(index, |s| s.node)
+    }
+
+    /// The nodes that wait for the node `node` (none: it is the last stage).
+    pub(crate) fn dependents(&self, node: usize) -> &[usize] {
+        self.dependents.get(node).map_or(&[], Vec::as_slice)
+    }
+
+    /// The nodes that the node `node` waits for.
+    pub(crate) fn dependencies(&self, node: usize) -> &[usize] {
+        self.dependencies.get(node).map_or(&[], Vec::as_slice)
+    }
+
+    /// The nodes entered when an execution starts.
+    pub(crate) fn roots(&self) -> &[usize] {
+        &self.roots
     }
 }
 
@@ -79,39 +157,45 @@ fn size_of_arms(stage: &Stage) -> usize {
     }
 }
 
-/// Numbers `stages` from `slots.len()`, the last going on to `after`.
-fn place(stages: &[Stage], after: Option<usize>, slots: &mut Vec<Slot>) {
+/// Numbers `stage` (and its arms) from `slots.len()`, going on to `next` in node `node`.
+fn place_one(stage: &Stage, next: Option<usize>, node: usize, slots: &mut Vec<Slot>) {
+    let index = slots.len();
+    slots.push(Slot {
+        stage: stage.clone(),
+        next,
+        entries: Vec::new(),
+        node,
+    });
+    if let StageKind::Branch {
+        arms, otherwise, ..
+    } = stage.kind()
+    {
+        let lists = arms
+            .iter()
+            .map(|a| a.stages.as_slice())
+            .chain(otherwise.as_deref());
+        let mut entries = Vec::new();
+        for list in lists {
+            entries.push(if list.is_empty() {
+                next
+            } else {
+                Some(slots.len())
+            });
+            place(list, next, node, slots);
+        }
+        slots[index].entries = entries;
+    }
+}
+
+/// Numbers an arm's `stages` from `slots.len()`, the last going on to `after`.
+fn place(stages: &[Stage], after: Option<usize>, node: usize, slots: &mut Vec<Slot>) {
     for (k, stage) in stages.iter().enumerate() {
-        let index = slots.len();
         let next = if k + 1 < stages.len() {
-            Some(index + 1 + size_of_arms(stage))
+            Some(slots.len() + 1 + size_of_arms(stage))
         } else {
             after
         };
-        slots.push(Slot {
-            stage: stage.clone(),
-            next,
-            entries: Vec::new(),
-        });
-        if let StageKind::Branch {
-            arms, otherwise, ..
-        } = stage.kind()
-        {
-            let lists = arms
-                .iter()
-                .map(|a| a.stages.as_slice())
-                .chain(otherwise.as_deref());
-            let mut entries = Vec::new();
-            for list in lists {
-                entries.push(if list.is_empty() {
-                    next
-                } else {
-                    Some(slots.len())
-                });
-                place(list, next, slots);
-            }
-            slots[index].entries = entries;
-        }
+        place_one(stage, next, node, slots);
     }
 }
 
@@ -146,6 +230,31 @@ mod tests {
             plan.slots()[1].entries,
             [Some(2), Some(3), Some(6), Some(5)]
         );
+    }
+
+    #[test]
+    fn dependencies_go_straight_on_only_to_a_stage_waiting_for_one_alone() {
+        let wf = Workflow::new("w", 1)
+            .step("fetch_a")
+            .stage(Stage::step("fetch_b").at_start())
+            .stage(
+                Stage::from(Stage::branch("route").on("x", [Stage::step("inner")]))
+                    .after(["fetch_a"]),
+            )
+            .stage(Stage::step("merge").after(["fetch_b", "route"]));
+        let plan = wf.plan();
+        assert_eq!(plan.roots(), [0, 1]);
+        let next: Vec<Option<usize>> = plan.slots().iter().map(|s| s.next).collect();
+        // fetch_a goes straight to route; the arm's end, fetch_b and merge finish their
+        // nodes (merge waits for two; nothing waits for merge).
+        assert_eq!(next, [Some(2), None, None, None, None]);
+        let nodes: Vec<usize> = plan.slots().iter().map(|s| s.node).collect();
+        assert_eq!(nodes, [0, 1, 2, 2, 4]);
+        assert_eq!(plan.dependents(1), [4]);
+        assert_eq!(plan.dependents(2), [4]);
+        assert_eq!(plan.dependencies(4), [1, 2]);
+        assert!(plan.dependents(4).is_empty());
+        assert!(wf.validate().is_ok());
     }
 
     #[test]

@@ -89,7 +89,7 @@ impl Workflow {
                 return Err(DefinitionError::InvalidTimeout(stage.name.clone()));
             }
         }
-        Ok(())
+        super::dependencies::check(&self.stages)
     }
 }
 
@@ -250,6 +250,71 @@ pub enum DefinitionError {
         name: String,
         /// Why it is refused.
         reason: &'static str,
+    },
+    /// A stage waits for a stage the workflow's list does not have ([`Stage::after`](crate::Stage::after)).
+    #[error(
+        "stage {stage:?} waits for {dependency:?}, which is not a stage of the workflow's list: \
+         name one of its stages (a stage inside a branch's arm cannot be waited for; wait for \
+         the branch)"
+    )]
+    UnknownDependency {
+        /// The waiting stage.
+        stage: String,
+        /// The name it gave.
+        dependency: String,
+    },
+    /// Stages wait for one another in a circle.
+    #[error(
+        "the stages wait for one another in a cycle ({}), so none could ever start: remove \
+         one of these dependencies",
+        .0.join(" waits for ")
+    )]
+    DependencyCycle(Vec<String>),
+    /// A stage waits for itself or for a stage listed after it.
+    #[error(
+        "stage {stage:?} waits for {dependency:?}, which is listed after it (or is itself): a \
+         stage may only wait for stages listed before it; move {stage:?} after {dependency:?}"
+    )]
+    DependencyOrder {
+        /// The waiting stage.
+        stage: String,
+        /// The stage it waits for.
+        dependency: String,
+    },
+    /// A stage that nothing waits for and that is not the last: its result would be lost.
+    #[error(
+        "no stage waits for stage {stage:?}, and the execution ends with its last stage \
+         ({last:?}) once everything it waits for has finished: make a later stage wait for \
+         {stage:?} (Stage::after), or drop it"
+    )]
+    UnjoinedStage {
+        /// The stage nothing waits for.
+        stage: String,
+        /// The workflow's last stage.
+        last: String,
+    },
+    /// A stage that waits for several is not a step or a parallel block.
+    #[error(
+        "stage {stage:?} waits for several stages, so its input is an object of their outputs \
+         by name, which a {kind} cannot take: make it a step or a parallel block, or put a \
+         step before it that returns what it needs"
+    )]
+    InvalidJoin {
+        /// The stage.
+        stage: String,
+        /// Its kind.
+        kind: &'static str,
+    },
+    /// A stage inside a branch's arm names dependencies.
+    #[error(
+        "stage {stage:?} is in an arm of branch {branch:?}, whose stages run in order: it \
+         cannot wait for other stages; make branch {branch:?} wait for them instead"
+    )]
+    DependencyInArm {
+        /// The stage in the arm.
+        stage: String,
+        /// The branch.
+        branch: String,
     },
     /// Two stages share a name.
     #[error("stage name {0:?} is used twice")]

@@ -692,3 +692,32 @@ pub(crate) async fn lock_and_mark_fired_many(
         .fetch_all(conn)
         .await?)
 }
+
+/// Dependency fan-in (`store::joins`): counts the dependency `name` (passing on `passed`'s output; `None`: the execution
+/// input) down at the join of stage `stage`, which waits for `needs`, creating the row
+/// on the first arrival. Returns the dependencies still to come, or `None` when `name`
+/// had arrived already (nothing changed).
+pub(crate) async fn join_arrival(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    stage: usize,
+    needs: usize,
+    name: &str,
+    passed: Option<GroupId>,
+) -> Result<Option<i32>> {
+    Ok(super::query_scalar(
+        "INSERT INTO confluo.stage_join AS j (execution_id, stage_index, remaining, arrived)
+         VALUES ($1, $2, $3 - 1, jsonb_build_object($4::text, $5::uuid))
+         ON CONFLICT (execution_id, stage_index) DO UPDATE
+            SET remaining = j.remaining - 1, arrived = j.arrived || EXCLUDED.arrived
+          WHERE NOT j.arrived ? $4::text
+         RETURNING remaining",
+    )
+    .bind(execution_id)
+    .bind(stage as i32)
+    .bind(needs as i32)
+    .bind(name)
+    .bind(passed)
+    .fetch_optional(conn)
+    .await?)
+}

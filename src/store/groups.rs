@@ -26,6 +26,9 @@ pub(crate) enum MemberSource<'a> {
     /// A signal wait's one task, completed by the signal, or at `Wake` by the workers'
     /// own handler, which reads the input given here (what to do on a timeout).
     Signal(Wake, &'a Value),
+    /// One member per handler name, as `Handlers`, each with this input stored (a stage
+    /// that waits for several: the object of their outputs).
+    Given(&'a Value),
 }
 
 /// When a sleep's task is due.
@@ -102,6 +105,10 @@ pub(crate) async fn create_stage(
             "SELECT $14::text AS handler, 'null'::jsonb AS input, 1::int8 AS ord"
         }
         MemberSource::Signal(..) => "SELECT $14::text AS handler, $23::jsonb AS input, 1::int8 AS ord",
+        MemberSource::Given(_) => {
+            "SELECT s.h AS handler, $23::jsonb AS input, s.o AS ord
+               FROM unnest($14::text[]) WITH ORDINALITY AS s(h, o)"
+        }
     };
     let sql = format!(
         "WITH src AS MATERIALIZED ({source_sql}),
@@ -163,7 +170,7 @@ pub(crate) async fn create_stage(
         .bind(stage.attempt_timeout().as_millis() as i64);
     // $14 is bound last: it depends on the source.
     let query = match source {
-        MemberSource::Handlers => query.bind(stage.handler_names()),
+        MemberSource::Handlers | MemberSource::Given(_) => query.bind(stage.handler_names()),
         MemberSource::ExecutionInput => query.bind(None::<GroupId>),
         MemberSource::StepOutput(g) | MemberSource::GroupOutputs(g) => query.bind(g),
         MemberSource::Timer(_) => query.bind(crate::definition::SLEEP_HANDLER.to_owned()),
@@ -179,6 +186,7 @@ pub(crate) async fn create_stage(
     let (wake, input) = match source {
         MemberSource::Timer(wake) => (Some(wake), None),
         MemberSource::Signal(wake, input) => (Some(wake), Some(Json(input))),
+        MemberSource::Given(input) => (None, Some(Json(input))),
         _ => (None, None),
     };
     let (after, at) = match wake {
@@ -197,6 +205,22 @@ pub(crate) async fn create_stage(
         .bind(child.then_some(crate::definition::CHILD_HANDLER))
         .fetch_one(conn)
         .await?)
+}
+
+/// Whether the execution has entered stage `stage` (its group exists).
+pub(crate) async fn entered(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    stage: usize,
+) -> Result<bool> {
+    Ok(super::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM confluo.stage_group
+                         WHERE execution_id = $1 AND stage_index = $2)",
+    )
+    .bind(execution_id)
+    .bind(stage as i32)
+    .fetch_one(conn)
+    .await?)
 }
 
 /// Records a branch's choice as a group of width 0, fired at once (a branch runs no task),
@@ -359,7 +383,8 @@ pub(crate) async fn unmappable(
         MemberSource::Handlers
         | MemberSource::GroupOutputs(_)
         | MemberSource::Timer(_)
-        | MemberSource::Signal(..) => return Ok(None),
+        | MemberSource::Signal(..)
+        | MemberSource::Given(_) => return Ok(None),
         MemberSource::ExecutionInput => {
             super::query_as(
                 "SELECT jsonb_typeof(input),

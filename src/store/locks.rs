@@ -36,6 +36,10 @@
 //! child's (a child's end takes the member, never the parent's execution), so this
 //! closes none either.
 //!
+//! Join rows (`confluo.stage_join`, dependency fan-in) are written only by a transaction
+//! that holds their execution's lock, as it finishes a dependency: they need no place of
+//! their own in the order.
+//!
 //! The re-counting strategies (row-lock, and the naive
 //! demonstration) write the task's status and then lock the execution. They hold no
 //! stripe or group then, and the one task they hold is running, which no path that holds

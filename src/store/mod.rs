@@ -29,6 +29,7 @@ pub(crate) mod executions;
 pub(crate) mod fan_in;
 pub(crate) mod groups;
 pub(crate) mod history;
+pub(crate) mod joins;
 pub(crate) mod locks;
 pub(crate) mod members;
 pub(crate) mod notifications;

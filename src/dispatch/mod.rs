@@ -14,6 +14,44 @@ use crate::ids::{ExecutionId, GroupId};
 use crate::store::groups::{MemberSource, Wake};
 use crate::store::{children, executions, fan_in, groups, signals};
 
+mod nodes;
+
+pub(crate) use nodes::start;
+
+/// What entering stages did: the groups entered with members, and whether the execution
+/// ended (completed after its last stage, or failed on the way).
+#[derive(Debug, Default)]
+pub(crate) struct Entered {
+    pub groups: Vec<GroupId>,
+    pub ended: bool,
+}
+
+impl Entered {
+    fn group(group: GroupId) -> Entered {
+        Entered {
+            groups: vec![group],
+            ended: false,
+        }
+    }
+
+    fn ended() -> Entered {
+        Entered {
+            groups: Vec::new(),
+            ended: true,
+        }
+    }
+}
+
+/// The end of a node's flow: what it passes on (`input`, else the last branch passed,
+/// else the execution input).
+#[derive(Clone, Copy, Debug)]
+struct NodeEnd {
+    execution_id: ExecutionId,
+    node: usize,
+    input: Option<Input>,
+    branch_group: Option<GroupId>,
+}
+
 /// The group whose output a stage receives: its id, kind and stage index.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Input {
@@ -61,30 +99,39 @@ pub(crate) async fn fire_many(
     let rows = fan_in::lock_and_mark_fired_many(conn, &executions, &groups, nowait).await?;
     let mut fired = Fired::default();
     let (mut completed, mut stages, mut outputs) = (Vec::new(), Vec::new(), Vec::new());
+    // Executions that ended while this batch advanced another of their groups (a
+    // dependency's stage failing them): their other groups go no further.
+    let mut ended = HashSet::new();
     for row in rows.into_iter().filter(|r| r.fired) {
         fired.groups.insert(row.group_id);
+        if ended.contains(&row.execution_id) {
+            continue;
+        }
         let workflow = engine
             .definition(&mut *conn, &row.workflow_name, row.workflow_version)
             .await?;
         let index = stage_of[&row.group_id] as usize;
         let input = input_after(conn, &workflow, row.group_id, index).await?;
-        let Some(next) = workflow.plan().next(index) else {
+        if workflow.plan().ends_after(index) {
             completed.push(row.execution_id);
             stages.push(workflow.stage_count() as i32);
             outputs.push(input.map_or(row.group_id, |i| i.group));
             continue;
-        };
-        let entered = enter(
+        }
+        let entered = nodes::advance(
             engine,
             conn,
-            row.execution_id,
             &workflow,
-            Some(next),
+            row.execution_id,
+            index,
             input,
             row.fan_in.parse()?,
         )
         .await?;
-        fired.entered.extend(entered);
+        if entered.ended {
+            ended.insert(row.execution_id);
+        }
+        fired.entered.extend(entered.groups);
     }
     if !completed.is_empty() {
         executions::complete_many(conn, &completed, &stages, &outputs).await?;
@@ -131,24 +178,16 @@ async fn transition(
         .await?;
     let index = stage_index as usize;
     let input = input_after(conn, &workflow, group_id, index).await?;
-    let Some(next) = workflow.plan().next(index) else {
+    if workflow.plan().ends_after(index) {
         // The last stage: its output (or, for a sleep, what it received; the sleep's own
         // group stands for the execution input) is the execution's.
         let output = input.map_or(group_id, |i| i.group);
         let stages = workflow.stage_count() as i32;
         executions::complete(conn, execution_id, stages, output).await?;
         return Ok(true);
-    };
-    enter(
-        engine,
-        conn,
-        execution_id,
-        &workflow,
-        Some(next),
-        input,
-        execution.fan_in.parse()?,
-    )
-    .await?;
+    }
+    let fan_in = execution.fan_in.parse()?;
+    nodes::advance(engine, conn, &workflow, execution_id, index, input, fan_in).await?;
     Ok(true)
 }
 
@@ -199,32 +238,40 @@ fn stored_kind(kind: &str) -> &'static str {
 /// past the end the execution completes; all in the caller's transaction. An unmatched
 /// branch without `otherwise`, a sleep whose input holds no time, or a map whose input
 /// (reached through a branch or a sleep) is not an array it can take, fails the execution
-/// with the reason recorded on it. Returns the group of the stage it entered with members
-/// (`None`: the execution ended).
+/// with the reason recorded on it. When the flow of the stage's node ends (a stage that
+/// fired at once, an empty arm), what waits for the node is entered in turn
+/// ([`nodes::finish`]). Returns the groups of the stages it entered with members, and
+/// whether the execution ended.
 pub(crate) async fn enter(
     engine: &Engine,
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     workflow: &Workflow,
-    mut index: Option<usize>,
+    index: usize,
     mut input: Option<Input>,
     default_fan_in: FanInStrategy,
-) -> Result<Option<GroupId>> {
+) -> Result<Entered> {
+    let mut index = Some(index);
+    let mut node = workflow.plan().node(index.unwrap_or_default());
     // The last branch passed: the output of an execution that ran no stage since.
     let mut branch_group = None;
     loop {
         let Some(at) = index else {
-            let output = input
-                .map(|i| i.group)
-                .or(branch_group)
-                .expect("an execution reaches its end through a group");
-            executions::complete(conn, execution_id, workflow.stage_count() as i32, output).await?;
-            return Ok(None);
+            // The node's flow ends here: what waits for it is entered, or the execution
+            // completes after its last stage.
+            let after = NodeEnd {
+                execution_id,
+                node,
+                input,
+                branch_group,
+            };
+            return Box::pin(nodes::finish(engine, conn, workflow, after, default_fan_in)).await;
         };
         let slot = workflow
             .plan()
             .get(at)
             .expect("the plan numbers every stage");
+        node = slot.node;
         let stage = &slot.stage;
         let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
         let input_stage = input.map_or(-1, |i| i.stage);
@@ -254,7 +301,7 @@ pub(crate) async fn enter(
                 }
                 Decision::Unmatched(error) => {
                     executions::stop(conn, execution_id, "failed", Some(&error)).await?;
-                    return Ok(None);
+                    return Ok(Entered::ended());
                 }
             }
             continue;
@@ -276,7 +323,7 @@ pub(crate) async fn enter(
                     Ok(wake) => MemberSource::Timer(wake),
                     Err(error) => {
                         executions::stop(conn, execution_id, "failed", Some(&error)).await?;
-                        return Ok(None);
+                        return Ok(Entered::ended());
                     }
                 }
             }
@@ -299,7 +346,7 @@ pub(crate) async fn enter(
                 groups::unmappable(conn, execution_id, stage.name(), source).await?
             {
                 executions::stop(conn, execution_id, "failed", Some(&error)).await?;
-                return Ok(None);
+                return Ok(Entered::ended());
             }
         }
         let group_id = GroupId::new();
@@ -319,7 +366,7 @@ pub(crate) async fn enter(
             // have been had it come after. The execution's lock, held here and by
             // `Engine::signal`, keeps the two from missing each other.
             let Some(payload) = signals::payload(conn, execution_id, stage.name()).await? else {
-                return Ok(Some(group_id));
+                return Ok(Entered::group(group_id));
             };
             let received = signals::hand_over(conn, execution_id, stage.name(), &payload).await?;
             debug_assert!(received.is_some(), "the wait entered here is pending");
@@ -337,11 +384,11 @@ pub(crate) async fn enter(
             );
             if let Err(error) = Box::pin(started).await? {
                 executions::stop(conn, execution_id, "failed", Some(&error)).await?;
-                return Ok(None);
+                return Ok(Entered::ended());
             }
-            return Ok(Some(group_id));
+            return Ok(Entered::group(group_id));
         } else if width > 0 {
-            return Ok(Some(group_id));
+            return Ok(Entered::group(group_id));
         }
         fan_in::mark_fired(conn, group_id).await?;
         input = Some(Input {
@@ -464,9 +511,10 @@ pub(crate) async fn enter_first_stage_many(
     let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
     if !matches!(stage.kind(), StageKind::Step | StageKind::Parallel { .. })
         || fan_in == FanInStrategy::Striped
+        || workflow.plan().roots().len() > 1
     {
         for &id in executions {
-            enter(engine, conn, id, workflow, Some(0), None, default_fan_in).await?;
+            nodes::start(engine, conn, workflow, id, default_fan_in).await?;
         }
         return Ok(());
     }
