@@ -39,6 +39,10 @@ enum Shape {
     /// previous output: like [`Shape::Map`], but each member is a whole execution, whose
     /// step fails for good (failing the child, and so its member) as its input rolls.
     Children,
+    /// Dependency fan-in: a step `z` from the start (beside everything before it), then a
+    /// step waiting for both it and the stage before; it returns one element per
+    /// dependency. Numbered: `z`, then the join.
+    Join,
 }
 
 /// The child workflow of [`Shape::Children`], and its one step.
@@ -82,6 +86,23 @@ impl Case {
             RetryPolicy::exponential(3).backoff(Duration::from_millis(1), Duration::from_millis(5));
         let mut wf = Workflow::new(name, 1).stage(Stage::step("s0").retry(retry));
         for (i, shape) in self.stages.iter().enumerate() {
+            if *shape == Shape::Join {
+                let (z, before) = (format!("s{}z", i + 1), format!("s{i}"));
+                wf = wf
+                    .stage(
+                        Stage::step(&z)
+                            .at_start()
+                            .retry(retry)
+                            .fan_in(self.strategy),
+                    )
+                    .stage(
+                        Stage::step(format!("s{}", i + 1))
+                            .after([before, z])
+                            .retry(retry)
+                            .fan_in(self.strategy),
+                    );
+                continue;
+            }
             let stage = match shape {
                 Shape::Step => Stage::step(format!("s{}", i + 1)),
                 Shape::Parallel(n) => Stage::parallel(
@@ -98,6 +119,7 @@ impl Case {
                         .into()
                 }
                 Shape::Children => Stage::map_workflow(format!("s{}", i + 1), CHILD),
+                Shape::Join => unreachable!("placed above"),
                 Shape::Sleep => Stage::sleep(format!("s{}", i + 1), Duration::from_millis(3)),
                 Shape::Signal => Stage::signal(format!("s{}", i + 1))
                     .within(Duration::from_millis(roll(self.seed, ("timeout", i)) / 4))
@@ -145,6 +167,11 @@ impl Case {
                     };
                     index += 3;
                     self.apply(&mut model, shape, at, i + 1)
+                }
+                Shape::Join => {
+                    index += 2;
+                    !self.dead(index - 2, 0)
+                        && self.apply(&mut model, Shape::Join, index - 1, i + 1)
                 }
                 shape => {
                     index += 1;
@@ -211,6 +238,16 @@ impl Case {
                 model.step = true;
                 return true;
             }
+            // Its `z` ran (the caller checked it); it returns one element per dependency.
+            Shape::Join => {
+                if self.dead(index, 0) {
+                    return false;
+                }
+                model.elements = vec![json!(1), json!(2)];
+                model.last = json!([1, 2]);
+                model.step = true;
+                return true;
+            }
             Shape::Branch => unreachable!("a branch runs one of its arms' stages"),
         }
         model.step = shape == Shape::Step;
@@ -241,6 +278,10 @@ fn output(stage: usize, handler: &str, item: u32, input: &Value) -> Value {
         Value::Number(n) if handler == "s0" => json!((1..=n.as_i64().unwrap()).collect::<Vec<_>>()),
         Value::Number(n) => json!(n.as_i64().unwrap() + 1), // a map member
         Value::Array(a) => json!((1..=a.len() as i64).collect::<Vec<_>>()),
+        // A join's input: one entry per dependency.
+        Value::Object(o) if !o.contains_key("outputs") => {
+            json!((1..=o.len() as i64).collect::<Vec<_>>())
+        }
         Value::Object(o) => {
             let n = match &o["outputs"] {
                 Value::Array(a) => a.len(),
@@ -262,7 +303,8 @@ fn case() -> impl Strategy<Value = Case> {
         Just(Shape::Branch),
         Just(Shape::Sleep),
         Just(Shape::Signal),
-        Just(Shape::Children)
+        Just(Shape::Children),
+        Just(Shape::Join)
     ];
     (
         0usize..64,
@@ -510,6 +552,21 @@ async fn run(case: &Case) -> Result<(), String> {
         return Err(format!(
             "{unfired} groups of completed executions never fired"
         ));
+    }
+    // A completed execution's joins all counted down to zero, one per join stage.
+    if status == ExecutionStatus::Completed {
+        let joins: (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE remaining = 0)
+               FROM confluo.stage_join WHERE execution_id = $1",
+        )
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        let expected = case.stages.iter().filter(|s| **s == Shape::Join).count() as i64;
+        if joins != (expected, expected) {
+            return Err(format!("joins {joins:?}, expected {expected} at zero"));
+        }
     }
     // Every child's member has exactly one child, ended, and completed exactly when it did.
     let mismatched: Vec<String> = sqlx::query_scalar(

@@ -46,7 +46,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
             &format!(
                 "SELECT g.execution_id || ': ' || count(t.id) || ' members'
                    FROM confluo.stage_group g LEFT JOIN confluo.task_all t ON t.group_id = g.id
-                  WHERE g.stage_index = 1
+                  WHERE g.stage_index = 2
                   GROUP BY g.id HAVING count(t.id) <> {width} LIMIT 5"
             ),
         )
@@ -61,7 +61,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                FROM confluo.execution e LEFT JOIN confluo.stage_group g ON g.execution_id = e.id
               WHERE e.status = 'completed'
               GROUP BY e.id
-             HAVING count(g.id) <> CASE WHEN e.parent_execution IS NULL THEN 9 ELSE 1 END
+             HAVING count(g.id) <> CASE WHEN e.parent_execution IS NULL THEN 10 ELSE 1 END
                  OR count(g.fired_at) <> count(g.id)
               LIMIT 5",
         )
@@ -128,7 +128,7 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                     SELECT count(*) FILTER (WHERE t.status = 'completed') AS completed,
                            COALESCE(sum((t.output)::bigint) FILTER (WHERE t.status = 'completed'), 0) AS total,
                            count(*) FILTER (WHERE t.status <> 'completed') AS failed
-                      FROM confluo.task_all t WHERE t.execution_id = s.execution_id AND t.stage_index = 1
+                      FROM confluo.task_all t WHERE t.execution_id = s.execution_id AND t.stage_index = 2
                ) m ON true
               WHERE s.outputs <> m.completed OR s.total <> m.total OR s.failed <> m.failed
               LIMIT 5",
@@ -248,6 +248,29 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
                      OR a.output IS DISTINCT FROM
                         jsonb_build_object('audited', m.item_index, 'wait', u.output -> 0 -> 'wait'))
               LIMIT 5",
+        )
+        .await?,
+    );
+    add(
+        "every completed execution's total waited for its approval and its census, once",
+        rows(
+            pool,
+            &format!(
+                "SELECT e.id || ': total got ' || COALESCE(u.input::text, 'nothing') || ', joins '
+                        || (SELECT count(*) FROM confluo.stage_join j WHERE j.execution_id = e.id)
+                   FROM confluo.execution e
+                   LEFT JOIN confluo.task_all u ON u.execution_id = e.id AND u.handler = 'total'
+                   LEFT JOIN confluo.task_all w ON w.execution_id = e.id
+                        AND w.handler = 'confluo:signal' AND w.status = 'completed'
+                  WHERE e.status = 'completed' AND e.parent_execution IS NULL
+                    AND (u.input IS DISTINCT FROM jsonb_build_object(
+                             'approval', w.output, 'census', jsonb_build_object('width', {width}))
+                         OR (SELECT count(*) FROM confluo.stage_join j
+                              WHERE j.execution_id = e.id AND j.remaining = 0) <> 1
+                         OR (SELECT count(*) FROM confluo.stage_join j
+                              WHERE j.execution_id = e.id) <> 1)
+                  LIMIT 5"
+            ),
         )
         .await?,
     );

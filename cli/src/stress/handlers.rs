@@ -14,22 +14,30 @@ pub const WORKFLOW: &str = "stress";
 /// A hung attempt is cut off by the stage timeout and counts as a failed attempt.
 pub const MEMBER_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// split (a step) -> member (a map, faults) -> left | right (a parallel block that
+/// split (a step) and, beside it from the start, census (a step, faults: the execution's
+/// width) -> member (a map after split, faults) -> left | right (a parallel block that
 /// records what it received) -> parity (a conditional branch on the parity of left's
 /// total: `even` or `odd`, a step each, passing the block's output on) -> rest (a durable
 /// sleep of 20 ms, passing it on again) -> approval (a signal wait, sent by the run's
 /// approver at any moment of an execution, or timed out after 300 ms with `{"approved":
-/// null}`) -> total (a step, returning [`AUDITS`] audit requests, each carrying what the
-/// wait gave it) -> audits (a map of child workflows, [`audit_workflow`], one per request).
+/// null}`) -> total (a step waiting for approval and census, which receives both by name
+/// and returns [`AUDITS`] audit requests, each carrying what the wait gave it) -> audits
+/// (a map of child workflows, [`audit_workflow`], one per request).
 ///
-/// Stages as numbered: split 0, member 1, checks 2, parity 3, even 4, odd 5, rest 6,
-/// approval 7, total 8, audits 9.
+/// Stages as numbered: split 0, census 1, member 2, checks 3, parity 4, even 5, odd 6,
+/// rest 7, approval 8, total 9, audits 10.
 pub fn workflow() -> Workflow {
     let retry =
         RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
     Workflow::new(WORKFLOW, 1)
         .step("split")
-        .stage(Stage::map("member").retry(retry).timeout(MEMBER_TIMEOUT))
+        .stage(Stage::step("census").at_start().retry(retry))
+        .stage(
+            Stage::map("member")
+                .after(["split"])
+                .retry(retry)
+                .timeout(MEMBER_TIMEOUT),
+        )
         .stage(Stage::parallel("checks", ["left", "right"]).retry(retry))
         .stage(
             Stage::branch("parity")
@@ -43,7 +51,7 @@ pub fn workflow() -> Workflow {
                 .within(Duration::from_millis(300))
                 .on_timeout(json!({"approved": null})),
         )
-        .step("total")
+        .stage(Stage::step("total").after([SIGNAL, "census"]))
         .stage(Stage::map_workflow("audits", AUDIT_WORKFLOW))
 }
 
@@ -69,7 +77,9 @@ pub fn audit_output(input: &Value) -> Value {
 pub const SIGNAL: &str = "approval";
 
 /// The handlers of the stress workflow.
-pub const HANDLERS: [&str; 7] = ["split", "member", "left", "right", "even", "odd", "total"];
+pub const HANDLERS: [&str; 8] = [
+    "split", "census", "member", "left", "right", "even", "odd", "total",
+];
 
 /// Rates of the faults injected inside handlers (per attempt, except `exhaust`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, clap::Args)]
@@ -210,8 +220,15 @@ impl Context {
                 output["arm"] = json!(task.handler);
                 Ok(output)
             }
+            "census" => {
+                if inject {
+                    self.inject(&task).await?;
+                }
+                Ok(json!({"width": input["width"]}))
+            }
+            // {"approval": <the wait's output>, "census": {"width": ..}}
             "total" => Ok(json!((0..AUDITS)
-                .map(|i| json!({"i": i, "wait": input}))
+                .map(|i| json!({"i": i, "wait": input[SIGNAL]}))
                 .collect::<Vec<_>>())),
             "audit" => {
                 if inject {
@@ -234,9 +251,11 @@ impl Context {
         // would see no child fail.
         let (exhaust_rate, exhausted) = match task.handler {
             "audit" => ((f.exhaust_rate * 10.0).min(1.0), "exhausted child attempt"),
+            "census" => (f.exhaust_rate, "exhausted census attempt"),
             _ => (f.exhaust_rate, "exhausted attempt"),
         };
-        if roll(self.seed, ("exhaust", task.execution_id, task.item_index)) < exhaust_rate {
+        let exhaust = ("exhaust", task.handler, task.execution_id, task.item_index);
+        if roll(self.seed, exhaust) < exhaust_rate {
             self.record_fault(exhausted).await;
             return Err(TaskError::retryable("injected: this member always fails"));
         }
