@@ -228,6 +228,10 @@ impl Engine {
     /// parallel stage after it reads its input when claimed, so if it has not been claimed
     /// yet it sees the new result; a map after it got its members' inputs when entered.
     ///
+    /// Resuming an execution also fires, in the same transaction, its groups whose members
+    /// all finished while it was failed (a stage beside the failed one, waited for by the
+    /// same join: [`Stage::after`](crate::Stage::after)).
+    ///
     /// A requeued member of a map of child workflows whose child failed, was cancelled or
     /// timed out gets a new child (same workflow and version, the member's input), started
     /// in the same transaction, and waits for its end; the old child stays listed under
@@ -320,6 +324,14 @@ impl Engine {
         let ids: Vec<TaskId> = requeued.iter().map(|r| r.id).collect();
         let restarted_children = crate::children::restart(self, &mut tx, &ids).await?;
         let resumed = resume && executions::resume(&mut tx, execution).await?;
+        if resumed {
+            // A stage beside the one that failed (another dependency of a join) may have
+            // finished while the execution was stopped, firing nothing: fire it now, or
+            // what waits for it would wait forever.
+            for (group, stage) in dead_letters::settled_unfired(&mut tx, execution).await? {
+                crate::dispatch::fire(self, &mut tx, execution, group, stage).await?;
+            }
+        }
         let group_fired = dead_letters::group_fired(&mut tx, own.group_id).await?;
         tx.commit().await?;
         tracing::info!(

@@ -327,3 +327,29 @@ async fn the_auditor_enters_a_join_whose_dependencies_all_arrived() {
     merged_once(&db, id, "repaired").await;
     assert!(db.engine.doctor().await.unwrap().is_healthy());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dependency_that_finished_while_the_execution_was_failed_counts_once_it_resumes() {
+    let db = TestDb::new(10).await;
+    db.register(&pair("pair", FanInStrategy::Countdown)).await;
+    let (id, tasks) = two_fetches(&db, "pair").await;
+    db.engine.fail(&tasks[0], "refused", true).await.unwrap();
+    // fetch_b ends while the execution is failed: recorded, firing nothing.
+    assert_eq!(
+        db.engine.complete(&tasks[1], json!("b")).await.unwrap(),
+        Outcome::Completed { fired: false }
+    );
+    let reprocessed = db.engine.reprocess(tasks[0].id()).await.unwrap();
+    assert!(reprocessed.resumed);
+    let again = claim_n(&db.engine, 1).await.remove(0);
+    assert_eq!(again.handler(), "fetch_a");
+    db.engine.complete(&again, json!("a")).await.unwrap();
+    merged_once(&db, id, "resumed").await;
+    let merge = claim_n(&db.engine, 1).await.remove(0);
+    db.engine.complete(&merge, json!("merged")).await.unwrap();
+    assert_eq!(
+        db.engine.status(id).await.unwrap(),
+        ExecutionStatus::Completed
+    );
+    assert!(db.engine.doctor().await.unwrap().is_healthy());
+}

@@ -164,3 +164,23 @@ pub(crate) async fn requeue(
         .fetch_all(conn)
         .await?)
 }
+
+/// The groups of the execution (just resumed, its lock held) whose members all ended
+/// while it was stopped, and that never fired: a stage beside the one that failed (a
+/// dependency of the same join) that finished after the failure. Each as `(group,
+/// stage_index)`, in stage order.
+pub(crate) async fn settled_unfired(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+) -> Result<Vec<(GroupId, i32)>> {
+    Ok(super::query_as(
+        "SELECT g.id, g.stage_index FROM confluo.stage_group g
+          WHERE g.execution_id = $1 AND g.fired_at IS NULL AND g.width > 0
+            AND NOT EXISTS (SELECT 1 FROM confluo.task t
+                             WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
+          ORDER BY g.stage_index",
+    )
+    .bind(execution_id)
+    .fetch_all(conn)
+    .await?)
+}

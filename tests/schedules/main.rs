@@ -41,7 +41,6 @@ async fn explore(strategy: FanInStrategy, ends: &[End], sample: Option<usize>) -
         summary.stalls,
         summary.double_fires
     );
-    assert_eq!(summary.diverged, 0, "a replayed schedule took another path");
     summary
 }
 
@@ -64,6 +63,7 @@ async fn exactly_once_on_every_schedule(strategy: FanInStrategy) {
         }
         let k = ends.len();
         let summary = explore(strategy, ends, sample).await;
+        assert_eq!(summary.diverged, 0, "a replayed schedule took another path");
         if let Some(run) = &summary.first_violation {
             panic!(
                 "{strategy} with K={k}: dispatched {} times, {} told fired, on:\n{}",
@@ -118,7 +118,19 @@ async fn signal_waits_are_decided_exactly_once_on_every_schedule() {
             if quick && ends.len() > 2 {
                 continue;
             }
-            let summary = explore(strategy, ends, sample).await;
+            // A wait's transactions hold more statements, and on a loaded machine a
+            // replayed prefix now and then takes another path (a lock wait noticed late):
+            // explore again, up to three times, before calling the exploration incomplete.
+            // Every schedule run, diverged or not, is checked.
+            let mut summary = explore(strategy, ends, sample).await;
+            for _ in 0..2 {
+                if summary.diverged == 0 || summary.first_violation.is_some() {
+                    break;
+                }
+                println!("  {} diverged: exploring again", summary.diverged);
+                summary = explore(strategy, ends, sample).await;
+            }
+            assert_eq!(summary.diverged, 0, "a replayed schedule took another path");
             if let Some(run) = &summary.first_violation {
                 panic!(
                     "{strategy} with {ends:?}: dispatched {} times, {} told they decided, on:\n{}",
@@ -146,6 +158,7 @@ async fn naive_recount_stalls_on_some_schedule() {
     for &k in ks {
         let ends = vec![End::Complete; k];
         let summary = explore(FanInStrategy::NaiveRecount, &ends, None).await;
+        assert_eq!(summary.diverged, 0, "a replayed schedule took another path");
         let run = summary
             .first_violation
             .as_ref()
