@@ -40,6 +40,13 @@ impl Entered {
             ended: true,
         }
     }
+
+    /// Adds what a further entry did; whether the execution has ended (enter no more).
+    fn absorb(&mut self, more: Entered) -> bool {
+        self.groups.extend(more.groups);
+        self.ended |= more.ended;
+        self.ended
+    }
 }
 
 /// The end of a node's flow: what it passes on (`input`, else the last branch passed,
@@ -229,13 +236,12 @@ fn stored_kind(kind: &str) -> &'static str {
     }
 }
 
-/// Enters stage `index` of the plan (`None`: past the end), fed by `input` (`None`: the
-/// execution input). Its group uses the stage's fan-in strategy, else `default_fan_in`.
+/// Enters stage `index` of the plan, fed by `input` (`None`: the execution input). Its group uses the stage's fan-in strategy, else `default_fan_in`.
 /// A branch records its choice and goes on to its arm's first stage; a sleep's task is due
 /// at its wake time; a signal wait receives the signal kept for it, if it came first, and
 /// goes on; a stage with no
 /// members (an empty map) fires at once, and the execution goes on to what follows it;
-/// past the end the execution completes; all in the caller's transaction. An unmatched
+/// all in the caller's transaction. An unmatched
 /// branch without `otherwise`, a sleep whose input holds no time, or a map whose input
 /// (reached through a branch or a sleep) is not an array it can take, fails the execution
 /// with the reason recorded on it. When the flow of the stage's node ends (a stage that
@@ -251,8 +257,8 @@ pub(crate) async fn enter(
     mut input: Option<Input>,
     default_fan_in: FanInStrategy,
 ) -> Result<Entered> {
+    let mut node = workflow.plan().node(index);
     let mut index = Some(index);
-    let mut node = workflow.plan().node(index.unwrap_or_default());
     // The last branch passed: the output of an execution that ran no stage since.
     let mut branch_group = None;
     loop {

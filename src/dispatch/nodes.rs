@@ -42,9 +42,7 @@ pub(crate) async fn start(
             default_fan_in,
         )
         .await?;
-        entered.groups.extend(more.groups);
-        if more.ended {
-            entered.ended = true;
+        if entered.absorb(more) {
             break;
         }
     }
@@ -137,9 +135,7 @@ pub(super) async fn finish(
             }
             enter_join(conn, workflow, id, waiting, default_fan_in).await?
         };
-        entered.groups.extend(more.groups);
-        if more.ended {
-            entered.ended = true;
+        if entered.absorb(more) {
             break;
         }
     }

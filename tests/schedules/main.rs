@@ -44,6 +44,25 @@ async fn explore(strategy: FanInStrategy, ends: &[End], sample: Option<usize>) -
     summary
 }
 
+/// Fails unless every schedule of `summary` dispatched once, with one arrival told it
+/// decided, the exploration never diverged, and it found more than one schedule.
+fn assert_exactly_once(what: &str, summary: &Summary) {
+    assert_eq!(summary.diverged, 0, "a replayed schedule took another path");
+    if let Some(run) = &summary.first_violation {
+        panic!(
+            "{what}: dispatched {} times, {} told they decided, on:\n{}",
+            run.dispatched,
+            run.fired,
+            run.render()
+        );
+    }
+    assert_eq!(summary.exactly_once, summary.schedules);
+    assert!(
+        summary.schedules > 1,
+        "the explorer found a single schedule"
+    );
+}
+
 async fn exactly_once_on_every_schedule(strategy: FanInStrategy) {
     use End::{Complete as C, DeadLetter as D};
     let cases: [(&[End], Option<usize>); 5] = [
@@ -61,22 +80,8 @@ async fn exactly_once_on_every_schedule(strategy: FanInStrategy) {
         if quick && ends.len() > 2 {
             continue;
         }
-        let k = ends.len();
         let summary = explore(strategy, ends, sample).await;
-        assert_eq!(summary.diverged, 0, "a replayed schedule took another path");
-        if let Some(run) = &summary.first_violation {
-            panic!(
-                "{strategy} with K={k}: dispatched {} times, {} told fired, on:\n{}",
-                run.dispatched,
-                run.fired,
-                run.render()
-            );
-        }
-        assert_eq!(summary.exactly_once, summary.schedules);
-        assert!(
-            summary.schedules > 1,
-            "the explorer found a single schedule"
-        );
+        assert_exactly_once(&format!("{strategy} with K={}", ends.len()), &summary);
     }
 }
 
@@ -130,20 +135,7 @@ async fn signal_waits_are_decided_exactly_once_on_every_schedule() {
                 println!("  {} diverged: exploring again", summary.diverged);
                 summary = explore(strategy, ends, sample).await;
             }
-            assert_eq!(summary.diverged, 0, "a replayed schedule took another path");
-            if let Some(run) = &summary.first_violation {
-                panic!(
-                    "{strategy} with {ends:?}: dispatched {} times, {} told they decided, on:\n{}",
-                    run.dispatched,
-                    run.fired,
-                    run.render()
-                );
-            }
-            assert_eq!(summary.exactly_once, summary.schedules);
-            assert!(
-                summary.schedules > 1,
-                "the explorer found a single schedule"
-            );
+            assert_exactly_once(&format!("{strategy} with {ends:?}"), &summary);
         }
     }
 }
