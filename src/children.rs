@@ -103,7 +103,9 @@ impl Engine {
     /// (parents and children another caller holds are skipped, and taken on the next
     /// call). A cancelled child's late results change nothing: its member in the stopped
     /// parent was cancelled with the parent. A parent resumed by a reprocess keeps its
-    /// children. Returns how many it cancelled.
+    /// children: the cascade reads a parent's status only once it holds the parent's row
+    /// (`FOR SHARE`), so it waits for a reprocess in flight rather than cancel the child a
+    /// resumed member waits for. Returns how many it cancelled.
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); children cancelled before the error

@@ -246,3 +246,62 @@ async fn a_childs_end_raced_against_its_members_reprocess_leaves_the_member_due_
     let diagnosis = db.engine.doctor().await.unwrap();
     assert!(diagnosis.is_healthy(), "{diagnosis:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cascade_decides_on_a_parent_only_once_a_resume_holding_it_has_committed() {
+    let db = TestDb::new(10).await;
+    db.register(&Workflow::new("work", 1).step("work")).await;
+    db.register(
+        &Workflow::new("strict", 1)
+            .stage(Stage::map_workflow("each", "work").fail_execution_on_member_failure())
+            .step("after"),
+    )
+    .await;
+    let id = db.engine.start("strict", &json!([0, 1])).await.unwrap();
+    let mut work = claim_of(&db.engine, "work", "work", 2).await;
+    let kids = children(&db, id).await;
+    work.sort_by_key(|t| usize::from(t.execution_id() != kids[0].0));
+    // Child A fails and its fail-fast parent with it; child B runs on, left to the
+    // cascade (which does not run here).
+    db.engine.fail(&work[0], "refused", true).await.unwrap();
+    let member_a = claim_of(&db.engine, "strict", "confluo:child", 1)
+        .await
+        .remove(0);
+    db.engine.run_builtin(&member_a).await.unwrap();
+    assert_eq!(db.engine.status(id).await.unwrap(), ExecutionStatus::Failed);
+    assert_eq!(children(&db, id).await[1].1, "running");
+
+    // A resume's first write, held open: the parent locked and running again.
+    let mut resume = db.connection().await;
+    sqlx::query("BEGIN").execute(&mut resume).await.unwrap();
+    sqlx::query(
+        "UPDATE confluo.execution SET status = 'running', finished_at = NULL WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&mut resume)
+    .await
+    .unwrap();
+    let engine = db.engine.clone();
+    let cascade = tokio::spawn(async move { engine.cancel_orphans(100).await.unwrap() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !cascade.is_finished(),
+        "the cascade decided on a parent another transaction holds"
+    );
+    sqlx::query("COMMIT").execute(&mut resume).await.unwrap();
+    assert_eq!(
+        cascade.await.unwrap(),
+        0,
+        "the cascade cancelled a child of a resumed parent"
+    );
+    assert_eq!(children(&db, id).await[1].1, "running");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM confluo.cascade")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "a resumed parent stays in the cascade");
+
+    // Stopped again, its running child goes with it.
+    assert!(db.engine.cancel(id).await.unwrap());
+    assert_eq!(children(&db, id).await[1].1, "cancelled");
+}

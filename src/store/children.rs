@@ -198,18 +198,33 @@ where
 /// Takes the oldest stopped parent whose children are still to be cancelled, skipping
 /// those another transaction holds: its id, and whether it runs again (a reprocess
 /// resumed it: then its children are left alone).
+///
+/// The parent's execution is locked `FOR SHARE` (waiting for it) before its status is
+/// read: a reprocess resuming it holds that row until it commits, so the cascade either
+/// sees it running, or cancels children the reprocess, waiting behind it, then finds
+/// cancelled (and starts again). Read without the lock, a resume committing between the
+/// read and the cancel would lose the running child its resumed member waits for. A
+/// parent that no longer exists (archived) counts as stopped: its cascade row is dropped
+/// once no running child is left.
 pub(crate) async fn next_cascade(conn: &mut PgConnection) -> Result<Option<(ExecutionId, bool)>> {
-    Ok(super::query_as(
-        "SELECT c.execution_id,
-                COALESCE((SELECT x.status = 'running' FROM confluo.execution x
-                           WHERE x.id = c.execution_id), false)
-           FROM confluo.cascade c
-          ORDER BY c.stopped_at
+    let parent: Option<ExecutionId> = super::query_scalar(
+        "SELECT execution_id FROM confluo.cascade
+          ORDER BY stopped_at
           LIMIT 1
-            FOR UPDATE OF c SKIP LOCKED",
+            FOR UPDATE SKIP LOCKED",
     )
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(parent) = parent else {
+        return Ok(None);
+    };
+    let running: Option<bool> = super::query_scalar(
+        "SELECT status = 'running' FROM confluo.execution WHERE id = $1 FOR SHARE",
+    )
+    .bind(parent)
     .fetch_optional(conn)
-    .await?)
+    .await?;
+    Ok(Some((parent, running.unwrap_or(false))))
 }
 
 /// Locks up to `limit` running children of `parent`, in id order, skipping those another

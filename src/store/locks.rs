@@ -1,7 +1,8 @@
 //! The one lock order. Every transaction that locks rows of several kinds takes them in
 //! this order, each kind in id order:
 //!
-//! 1. **executions** (`FOR NO KEY UPDATE`, or `FOR UPDATE` for the row-lock fan-in);
+//! 1. **executions** (`FOR NO KEY UPDATE`, or `FOR UPDATE` for the row-lock fan-in),
+//!    by depth first: a parent before its children (child workflows), then in id order;
 //! 2. **tasks**;
 //! 3. **stripes** of striped groups;
 //! 4. **groups** (the countdown rows).
@@ -29,12 +30,15 @@
 //! ([`children`](super::children)). No transaction that holds such a member waits for a
 //! row of another execution: a parent's stop cancels its members and leaves its children
 //! to the cascade, which runs after it commits and skips locked children; the member's
-//! completion reads its child without locking it. So it closes no cycle. And a reprocess
-//! locks its execution, then the children of its dead and cancelled members (in id
-//! order), then tasks: executions first, but a parent's before its children's rather
-//! than all in id order. No transaction waits for a parent's execution while holding a
-//! child's (a child's end takes the member, never the parent's execution), so this
-//! closes none either.
+//! completion reads its child without locking it. So it closes no cycle.
+//!
+//! Parents come before their children among executions because two paths lock a parent
+//! and then its children: a reprocess (its execution, then the children of its dead and
+//! cancelled members) and the cascade (a stopped parent `FOR SHARE`, then its running
+//! children, skipping those held). A batch of completions that locks its executions
+//! first takes them in the same order ([`executions`]): in plain id order, a batch
+//! holding a child's task and its parent's could take the child first and wait for the
+//! parent a reprocess holds while the reprocess waits for the child.
 //!
 //! Join rows (`confluo.stage_join`, dependency fan-in) are written only by a transaction
 //! that holds their execution's lock, as it finishes a dependency: they need no place of
@@ -59,10 +63,21 @@ pub(crate) async fn execution(conn: &mut PgConnection, id: ExecutionId) -> Resul
     Ok(())
 }
 
-/// Locks executions, in id order.
+/// Locks executions in the order above: by depth (how many parents each has), then id.
+/// Most executions have no parent: the walk up stops at once.
 pub(crate) async fn executions(conn: &mut PgConnection, ids: &[ExecutionId]) -> Result<()> {
     super::query(
-        "SELECT 1 FROM confluo.execution WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE",
+        "WITH RECURSIVE up (id, ancestor, depth) AS (
+             SELECT id, parent_execution, 0 FROM confluo.execution WHERE id = ANY($1)
+             UNION ALL
+             SELECT up.id, e.parent_execution, up.depth + 1
+               FROM up JOIN confluo.execution e ON e.id = up.ancestor
+         ), depths AS (
+             SELECT id, max(depth) AS depth FROM up GROUP BY id
+         )
+         SELECT 1 FROM confluo.execution x JOIN depths d ON d.id = x.id
+          ORDER BY d.depth, x.id
+            FOR NO KEY UPDATE OF x",
     )
     .bind(ids)
     .execute(conn)
