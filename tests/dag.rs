@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{claim_n, quick_worker, race_completions, TestDb, STRATEGIES, WAIT};
 use confluo::{
     DefinitionError, Error, ExecutionId, ExecutionStatus, FanInStrategy, Outcome, Stage, TaskError,
@@ -222,6 +224,22 @@ async fn registration_refuses_unknown_backward_cyclic_and_unjoined_dependencies(
     )
     .await;
     assert!(matches!(e, DefinitionError::DependencyInArm { .. }), "{e}");
+    // A definition read as data may name a dependency twice (the builder keeps one): the
+    // join would wait for an arrival that never comes, so it is refused.
+    let mut data = serde_json::to_value(
+        Workflow::new("w7", 1)
+            .step("a")
+            .stage(Stage::step("b").at_start())
+            .stage(Stage::step("c").after(["a", "b"])),
+    )
+    .unwrap();
+    data["stages"][2]["after"] = json!(["a", "b", "a"]);
+    let twice: Workflow = serde_json::from_value(data).expect("a workflow as data");
+    let e = refused(twice).await;
+    assert!(
+        matches!(e, DefinitionError::DuplicateDependency { ref stage, ref dependency } if stage == "c" && dependency == "a"),
+        "{e}"
+    );
     // The list form is the chain: it registers as before.
     db.register(&Workflow::new("chain", 1).step("a").step("b").step("c"))
         .await;
@@ -350,6 +368,69 @@ async fn a_dependency_that_finished_while_the_execution_was_failed_counts_once_i
     assert_eq!(
         db.engine.status(id).await.unwrap(),
         ExecutionStatus::Completed
+    );
+    assert!(db.engine.doctor().await.unwrap().is_healthy());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resume_gives_a_sleep_and_a_timed_wait_beside_the_failed_stage_their_due_times_back() {
+    let db = TestDb::new(10).await;
+    db.register(
+        &Workflow::new("beside", 1)
+            .step("fetch")
+            .stage(Stage::sleep("nap", Duration::from_secs(3600)).at_start())
+            .stage(
+                Stage::from(Stage::signal("approve").within(Duration::from_secs(3600))).at_start(),
+            )
+            .stage(Stage::step("merge").after(["fetch", "nap", "approve"])),
+    )
+    .await;
+    let id = db.engine.start("beside", &json!(null)).await.unwrap();
+    let due_times = || async {
+        let rows: Vec<(String, String, bool)> = sqlx::query_as(
+            "SELECT handler, status, run_at > now() + interval '50 minutes'
+               FROM confluo.task WHERE execution_id = $1 AND handler LIKE 'confluo:%'
+              ORDER BY handler",
+        )
+        .bind(id)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        rows
+    };
+    let before: Vec<(String, String, bool)> = due_times().await;
+    assert_eq!(
+        before,
+        [
+            ("confluo:signal".into(), "pending".into(), true),
+            ("confluo:sleep".into(), "pending".into(), true)
+        ]
+    );
+    let fetch = claim_n(&db.engine, 1).await.remove(0);
+    assert_eq!(fetch.handler(), "fetch");
+    db.engine.fail(&fetch, "refused", true).await.unwrap();
+    assert_eq!(db.engine.status(id).await.unwrap(), ExecutionStatus::Failed);
+    assert!(due_times().await.iter().all(|(_, s, _)| s == "cancelled"));
+
+    let reprocessed = db.engine.reprocess(fetch.id()).await.unwrap();
+    assert!(reprocessed.resumed);
+    assert_eq!(
+        due_times().await,
+        before,
+        "the sleep or the wait became due at the resume"
+    );
+    // The wait still receives its signal, and the join still needs all three.
+    assert_eq!(
+        db.engine.signal(id, "approve", json!("yes")).await.unwrap(),
+        confluo::SignalOutcome::Received
+    );
+    let again = claim_n(&db.engine, 1).await.remove(0);
+    assert_eq!(again.handler(), "fetch");
+    db.engine.complete(&again, json!("a")).await.unwrap();
+    assert_eq!(
+        groups_of(&db, id, "merge").await,
+        (0, 0),
+        "merge entered early"
     );
     assert!(db.engine.doctor().await.unwrap().is_healthy());
 }

@@ -78,7 +78,8 @@ pub(crate) fn graph(stages: &[Stage]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// Checks the dependencies of a workflow's list: each names an earlier stage of the list,
+/// Checks the dependencies of a workflow's list: each names an earlier stage of the list
+/// once,
 /// every stage but the last is waited for, a stage waiting for several can take an
 /// object, and no stage inside a branch's arms names any.
 pub(crate) fn check(stages: &[Stage]) -> Result<(), DefinitionError> {
@@ -87,7 +88,14 @@ pub(crate) fn check(stages: &[Stage]) -> Result<(), DefinitionError> {
     }
     let graph = graph(stages);
     for (k, stage) in stages.iter().enumerate() {
-        for name in stage.after.iter().flatten() {
+        let names = stage.after.as_deref().unwrap_or_default();
+        for (i, name) in names.iter().enumerate() {
+            if names[..i].contains(name) {
+                return Err(DefinitionError::DuplicateDependency {
+                    stage: stage.name.clone(),
+                    dependency: name.clone(),
+                });
+            }
             let Some(at) = stages.iter().position(|s| &s.name == name) else {
                 return Err(DefinitionError::UnknownDependency {
                     stage: stage.name.clone(),

@@ -263,6 +263,18 @@ pub enum DefinitionError {
         /// The name it gave.
         dependency: String,
     },
+    /// A stage names the same dependency twice (possible only in a definition built as
+    /// data: [`Stage::after`](crate::Stage::after) keeps one of each).
+    #[error(
+        "stage {stage:?} waits for {dependency:?} twice: name each stage it waits for once \
+         (its input has one field per dependency)"
+    )]
+    DuplicateDependency {
+        /// The waiting stage.
+        stage: String,
+        /// The name given twice.
+        dependency: String,
+    },
     /// Stages wait for one another in a circle.
     #[error(
         "the stages wait for one another in a cycle ({}), so none could ever start: remove \

@@ -5,6 +5,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{FromRow, PgConnection};
 
+use crate::definition::{SIGNAL_HANDLER, SLEEP_HANDLER};
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId, TaskId};
 use crate::store::fan_in::{self, Count};
@@ -121,7 +122,11 @@ pub(crate) struct RequeuedRow {
 /// `resume`, every dead or cancelled task of the execution's unfired groups too (what
 /// stopped with the failure; cancelled ones keep their attempt count); counts their
 /// groups back up (stripes, then groups, in order), in one statement. Tasks that are no
-/// longer dead or cancelled (a concurrent reprocess) match nothing.
+/// longer dead or cancelled (a concurrent reprocess) match nothing. Requeued tasks are
+/// due at once, except a cancelled durable sleep or signal wait (a stage beside the one
+/// that failed): it keeps its due time, its wake-up or its timeout (`infinity` for a
+/// wait without one), as though it had never stopped. Members of a map of child
+/// workflows are set waiting after this, by [`super::children::restart`].
 pub(crate) async fn requeue(
     conn: &mut PgConnection,
     id: TaskId,
@@ -144,7 +149,9 @@ pub(crate) async fn requeue(
                    attempt = CASE WHEN p.status = 'dead' THEN 0 ELSE t.attempt END,
                    held_expiries = CASE WHEN p.status = 'dead' THEN 0 ELSE t.held_expiries END,
                    reprocessed = t.reprocessed + (p.status = 'dead')::int,
-                   run_at = now(), lease_token = NULL, lease_expires_at = NULL,
+                   run_at = CASE WHEN p.status = 'cancelled' AND t.handler = ANY($4)
+                                 THEN t.run_at ELSE now() END,
+                   lease_token = NULL, lease_expires_at = NULL,
                    worker_id = NULL, started_at = NULL, finished_at = NULL, output = NULL
               FROM picked p
              WHERE t.id = p.id AND t.status = p.status
@@ -161,6 +168,7 @@ pub(crate) async fn requeue(
         .bind(id)
         .bind(execution_id)
         .bind(resume)
+        .bind([SLEEP_HANDLER, SIGNAL_HANDLER])
         .fetch_all(conn)
         .await?)
 }
