@@ -237,8 +237,11 @@ impl Engine {
     /// in the same transaction, and waits for its end; the old child stays listed under
     /// the parent, no longer linked to the member ([`Reprocessed::restarted_children`]).
     /// One whose child completed reports that child's output, and one whose child still
-    /// runs waits for it. To keep a failed child's completed steps instead, reprocess the
-    /// child's own dead letter first, then (once it has completed) the member.
+    /// runs waits for it. To keep a failed child's completed steps instead, under a parent
+    /// that still runs (its map lets members fail), reprocess the child's own dead letter
+    /// first, then, once the child has completed, the member. Under a parent that has
+    /// failed, that does not work (a running child of a stopped parent is cancelled as an
+    /// orphan): reprocess the member, which starts a new child.
     ///
     /// ```no_run
     /// # async fn run(engine: confluo::Engine) -> confluo::Result<()> {
@@ -253,7 +256,8 @@ impl Engine {
     /// [`Error::TaskNotFound`]; [`Error::NotDeadLettered`] (including when a concurrent
     /// reprocess took it first); [`Error::ExecutionNotResumable`] when the execution is
     /// completed, cancelled or timed out; [`Error::DeadlinePassed`] when it failed and its
-    /// deadline has passed since; [`Error::Database`].
+    /// deadline has passed since; [`Error::ResumeFailsAtOnce`] when the resume would fail
+    /// the execution again at once (nothing is requeued); [`Error::Database`].
     ///
     /// # Cancel safety
     /// Each try is one transaction: dropped before its commit, nothing is requeued. If the
@@ -330,6 +334,19 @@ impl Engine {
             // what waits for it would wait forever.
             for (group, stage) in dead_letters::settled_unfired(&mut tx, execution).await? {
                 crate::dispatch::fire(self, &mut tx, execution, group, stage).await?;
+            }
+            // Entering what follows such a stage can fail the execution again, cancelling
+            // what was just requeued, the dead letter included: roll it all back instead.
+            let after = executions::get(&mut *tx, execution)
+                .await?
+                .ok_or(Error::TaskNotFound(task))?;
+            if after.status != "running" {
+                return Err(Error::ResumeFailsAtOnce {
+                    execution,
+                    reason: after
+                        .error
+                        .unwrap_or_else(|| format!("it is {}", after.status)),
+                });
             }
         }
         let group_fired = dead_letters::group_fired(&mut tx, own.group_id).await?;

@@ -85,6 +85,21 @@ pub enum Error {
         execution: crate::ExecutionId,
     },
 
+    /// Resuming the dead letter's execution would fail it again at once: a stage that
+    /// finished while it was failed, fired by the resume, fails on entering what follows
+    /// it (a branch without a matching arm, a child input that does not fit). Nothing was
+    /// requeued; the dead letter stays.
+    #[error(
+        "execution {execution} cannot be resumed: on resuming, {reason}; the dead letter \
+         stays (cancel the execution, or start a new one with an input that avoids this)"
+    )]
+    ResumeFailsAtOnce {
+        /// The execution.
+        execution: crate::ExecutionId,
+        /// The failure the resume would record.
+        reason: String,
+    },
+
     /// A worker was started without a handler for a stage (or branch) of a workflow it serves.
     #[error(
         "workflow {workflow} v{version} needs a handler named {handler:?}, and the worker has none"

@@ -434,3 +434,39 @@ async fn a_resume_gives_a_sleep_and_a_timed_wait_beside_the_failed_stage_their_d
     );
     assert!(db.engine.doctor().await.unwrap().is_healthy());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resume_that_would_fail_the_execution_at_once_is_refused_and_leaves_the_dead_letter() {
+    let db = TestDb::new(10).await;
+    db.register(
+        &Workflow::new("route_b", 1)
+            .step("fetch_a")
+            .stage(Stage::step("fetch_b").at_start())
+            .stage(
+                Stage::from(Stage::branch("route").on("x", [Stage::step("on_x")]))
+                    .after(["fetch_b"]),
+            )
+            .stage(Stage::step("merge").after(["fetch_a", "route"])),
+    )
+    .await;
+    let id = db.engine.start("route_b", &json!(null)).await.unwrap();
+    let mut tasks = claim_n(&db.engine, 2).await;
+    tasks.sort_by_key(|t| t.handler().to_owned());
+    db.engine.fail(&tasks[0], "refused", true).await.unwrap();
+    // fetch_b ends while the execution is failed, with an output no arm of route takes.
+    db.engine.complete(&tasks[1], json!("y")).await.unwrap();
+    let e = db.engine.reprocess(tasks[0].id()).await.unwrap_err();
+    assert!(
+        matches!(e, Error::ResumeFailsAtOnce { execution, ref reason } if execution == id && reason.contains("route")),
+        "{e}"
+    );
+    assert!(e.to_string().contains("the dead letter stays"), "{e}");
+    // Nothing moved: the execution is failed, the dead letter dead, fetch_b unfired.
+    assert_eq!(db.engine.status(id).await.unwrap(), ExecutionStatus::Failed);
+    db.engine
+        .dead_letter(tasks[0].id())
+        .await
+        .expect("still dead");
+    assert_eq!(groups_of(&db, id, "fetch_b").await, (1, 0));
+    assert_eq!(groups_of(&db, id, "route").await, (0, 0));
+}
