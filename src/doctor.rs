@@ -205,9 +205,10 @@ impl Engine {
     /// disagreeing counters from their members, fires unfired groups (dispatching their
     /// next stage exactly once: the group's fired marker still guards it), moves
     /// stalled executions on, hands kept signals to their pending waits, makes the members
-    /// of ended children due, and cancels orphaned children. Each repair is a transaction of its own that locks what it
-    /// touches in the order completions do (stripes, then the group, then the execution)
-    /// and re-checks its finding first, so repairing while workers run, or twice, is safe.
+    /// of ended children due, and cancels orphaned children. Each repair is a transaction
+    /// of its own that locks what it touches in the one lock order (the execution first,
+    /// then stripes, then the group: `store::locks`) and re-checks its finding first, so
+    /// repairing while workers run, or twice, is safe.
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); what was repaired before the error
@@ -266,20 +267,9 @@ impl Engine {
             }
         }
         for stalled in &found.stalled_executions {
-            let mut tx = crate::store::begin(self.pool()).await?;
-            if audit::lock_if_stalled(&mut tx, stalled.execution_id, stalled.group_id).await?
-                && dispatch::advance_after_fired(
-                    self,
-                    &mut tx,
-                    stalled.execution_id,
-                    stalled.group_id,
-                    stalled.stage_index,
-                )
-                .await?
-            {
+            if self.redrive_stalled(stalled.execution_id).await? {
                 repairs.executions_advanced += 1;
             }
-            tx.commit().await?;
         }
         for signal in &found.unreceived_signals {
             let mut tx = crate::store::begin(self.pool()).await?;
@@ -306,4 +296,36 @@ impl Engine {
         repairs.found = found;
         Ok(repairs)
     }
+
+    /// Moves a stalled execution on, in one transaction holding its lock: drives every
+    /// fired group's transition again, in stage order (a stall in a graph can sit on any
+    /// branch, not only after the last group). A group whose next stage is entered
+    /// already finds it so (the stage's group is unique per execution) and is undone to
+    /// its savepoint; a dependency that arrived at its join already arrives no second
+    /// time; the rest enter what was never entered, or complete the execution after its
+    /// last stage. Returns whether the execution is stalled no more.
+    async fn redrive_stalled(&self, execution: ExecutionId) -> Result<bool> {
+        let mut tx = crate::store::begin(self.pool()).await?;
+        if !audit::lock_if_stalled(&mut tx, execution).await? {
+            return Ok(false);
+        }
+        for (group, stage) in audit::redrivable_groups(&mut tx, execution).await? {
+            audit::begin_redrive(&mut tx).await?;
+            match dispatch::advance_after_fired(self, &mut tx, execution, group, stage).await {
+                Ok(_) => audit::keep_redrive(&mut tx).await?,
+                Err(e) if entered_already(&e) => audit::undo_redrive(&mut tx).await?,
+                Err(e) => return Err(e),
+            }
+        }
+        let advanced = !audit::is_stalled(&mut tx, execution).await?;
+        tx.commit().await?;
+        Ok(advanced)
+    }
+}
+
+/// Whether driving a group again failed because its next stage has a group already
+/// (the `(execution_id, stage_index)` guard: a unique violation).
+fn entered_already(error: &crate::Error) -> bool {
+    matches!(error, crate::Error::Database(sqlx::Error::Database(db))
+        if db.constraint() == Some("stage_group_execution_id_stage_index_key"))
 }

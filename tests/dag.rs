@@ -470,3 +470,47 @@ async fn a_resume_that_would_fail_the_execution_at_once_is_refused_and_leaves_th
     assert_eq!(groups_of(&db, id, "fetch_b").await, (1, 0));
     assert_eq!(groups_of(&db, id, "route").await, (0, 0));
 }
+
+/// a1 then a2, and b from the start; merge after a2 and b. a2's entry is lost (a defect)
+/// after a1 fired, and b then arrives at the join: the stall is on the lower branch, not
+/// after the last group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_auditor_moves_a_stall_on_any_branch_of_the_graph_on() {
+    let db = TestDb::new(10).await;
+    db.register(
+        &Workflow::new("two_branches", 1)
+            .step("a1")
+            .step("a2")
+            .stage(Stage::step("b").at_start())
+            .stage(Stage::step("merge").after(["a2", "b"])),
+    )
+    .await;
+    let id = db.engine.start("two_branches", &json!(null)).await.unwrap();
+    let mut tasks = claim_n(&db.engine, 2).await;
+    tasks.sort_by_key(|t| t.handler().to_owned());
+    db.engine.complete(&tasks[0], json!("a1")).await.unwrap();
+    sqlx::query("DELETE FROM confluo.stage_group WHERE execution_id = $1 AND stage_name = 'a2'")
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    db.engine.complete(&tasks[1], json!("b")).await.unwrap();
+    let diagnosis = db.engine.doctor().await.unwrap();
+    assert_eq!(diagnosis.stalled_executions.len(), 1, "{diagnosis:?}");
+    let repairs = db.engine.repair().await.unwrap();
+    assert_eq!(repairs.executions_advanced, 1, "{repairs:?}");
+    assert!(db.engine.doctor().await.unwrap().is_healthy());
+    // a2 runs again from a1's output; its arrival enters merge once, with both.
+    let a2 = claim_n(&db.engine, 1).await.remove(0);
+    assert_eq!(a2.handler(), "a2");
+    assert_eq!(db.engine.task_input(&a2).await.unwrap(), json!("a1"));
+    db.engine.complete(&a2, json!("a2")).await.unwrap();
+    assert_eq!(groups_of(&db, id, "merge").await, (1, 0));
+    let merge = claim_n(&db.engine, 1).await.remove(0);
+    assert_eq!(
+        db.engine.task_input(&merge).await.unwrap(),
+        json!({"a2": "a2", "b": "b"})
+    );
+    // A second repair finds nothing to do.
+    assert_eq!(db.engine.repair().await.unwrap().found.len(), 0);
+}

@@ -81,20 +81,56 @@ pub(crate) async fn unfired_groups(conn: &mut PgConnection) -> Result<Vec<GroupR
     .await?)
 }
 
-/// Running executions with nothing left to run: no open task and every group fired, so
-/// nothing will ever move them. Returns each with its last group.
-pub(crate) async fn stalled_executions(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
-    Ok(super::query_as(
-        "SELECT last.id AS group_id, e.id AS execution_id, last.stage_index
-           FROM confluo.execution e
-           JOIN LATERAL (SELECT g.id, g.stage_index, g.fired_at FROM confluo.stage_group g
-                          WHERE g.execution_id = e.id
-                          ORDER BY g.stage_index DESC LIMIT 1) last ON true
-          WHERE e.status = 'running' AND last.fired_at IS NOT NULL
+/// The condition of a stalled execution `e`: running, no open task, no unfired group.
+/// Nothing will ever move it: every stage that runs has a task or a group waiting to fire.
+const STALLED: &str = "e.status = 'running'
             AND NOT EXISTS (SELECT 1 FROM confluo.task t
                              WHERE t.execution_id = e.id AND t.status IN ('pending', 'running'))
-          ORDER BY e.id",
+            AND NOT EXISTS (SELECT 1 FROM confluo.stage_group u
+                             WHERE u.execution_id = e.id AND u.fired_at IS NULL)";
+
+/// Running executions with nothing left to run: no open task and every group fired, so
+/// nothing will ever move them (in a graph, a stall may sit on any branch). Returns each
+/// with its last group, to name it.
+pub(crate) async fn stalled_executions(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
+    Ok(super::query_as(&format!(
+        "SELECT last.id AS group_id, e.id AS execution_id, last.stage_index
+           FROM confluo.execution e
+           JOIN LATERAL (SELECT g.id, g.stage_index FROM confluo.stage_group g
+                          WHERE g.execution_id = e.id
+                          ORDER BY g.stage_index DESC LIMIT 1) last ON true
+          WHERE {STALLED}
+          ORDER BY e.id"
+    ))
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Whether the execution is stalled, from a snapshot taken now (its lock held by the
+/// caller, via [`lock_if_stalled`]).
+pub(crate) async fn is_stalled(conn: &mut PgConnection, execution_id: ExecutionId) -> Result<bool> {
+    Ok(super::query_scalar(&format!(
+        "SELECT EXISTS (SELECT 1 FROM confluo.execution e WHERE e.id = $1 AND {STALLED})"
+    ))
+    .bind(execution_id)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// The fired groups of an execution whose transition a repair may drive again, in stage
+/// order: every group but a branch's (a branch's group records its choice and fires as
+/// it is entered, in the transaction that enters its arm; driving it again would take
+/// the branch's own input on past the arm).
+pub(crate) async fn redrivable_groups(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+) -> Result<Vec<(GroupId, i32)>> {
+    Ok(super::query_as(
+        "SELECT id, stage_index FROM confluo.stage_group
+          WHERE execution_id = $1 AND fired_at IS NOT NULL AND kind <> 'branch'
+          ORDER BY stage_index",
     )
+    .bind(execution_id)
     .fetch_all(conn)
     .await?)
 }
@@ -151,24 +187,36 @@ pub(crate) async fn lock_if_unfired(conn: &mut PgConnection, group_id: GroupId) 
 }
 
 /// Locks an execution and tells, from a snapshot taken after the lock, whether it is
-/// still stalled after `group_id` (its last group fired, nothing open, nothing after it).
+/// still stalled.
 pub(crate) async fn lock_if_stalled(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
-    group_id: GroupId,
 ) -> Result<bool> {
     super::locks::execution(conn, execution_id).await?;
-    Ok(super::query_scalar(
-        "SELECT EXISTS (
-            SELECT 1 FROM confluo.execution e JOIN confluo.stage_group g ON g.id = $2
-             WHERE e.id = $1 AND e.status = 'running' AND g.fired_at IS NOT NULL
-               AND NOT EXISTS (SELECT 1 FROM confluo.stage_group n
-                                WHERE n.execution_id = e.id AND n.stage_index > g.stage_index)
-               AND NOT EXISTS (SELECT 1 FROM confluo.task t
-                                WHERE t.execution_id = e.id AND t.status IN ('pending', 'running')))",
-    )
-    .bind(execution_id)
-    .bind(group_id)
-    .fetch_one(conn)
-    .await?)
+    is_stalled(conn, execution_id).await
+}
+
+/// Marks where a repair's attempt to drive one group again starts, inside its
+/// transaction ([`undo_redrive`] rolls back to it).
+pub(crate) async fn begin_redrive(conn: &mut PgConnection) -> Result<()> {
+    super::query("SAVEPOINT confluo_redrive")
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Keeps what the attempt since [`begin_redrive`] did.
+pub(crate) async fn keep_redrive(conn: &mut PgConnection) -> Result<()> {
+    super::query("RELEASE SAVEPOINT confluo_redrive")
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Undoes the attempt since [`begin_redrive`] (it found its next stage entered already).
+pub(crate) async fn undo_redrive(conn: &mut PgConnection) -> Result<()> {
+    super::query("ROLLBACK TO SAVEPOINT confluo_redrive")
+        .execute(conn)
+        .await?;
+    Ok(())
 }
