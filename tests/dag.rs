@@ -514,3 +514,37 @@ async fn the_auditor_moves_a_stall_on_any_branch_of_the_graph_on() {
     // A second repair finds nothing to do.
     assert_eq!(db.engine.repair().await.unwrap().found.len(), 0);
 }
+
+/// A chain a → b → c whose c was lost after b fired: re-driving a finds b entered (its
+/// attempt is undone to its savepoint, the unique guard's violation recognised), and
+/// re-driving b enters c once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_auditor_undoes_a_redrive_whose_next_stage_is_entered_and_goes_on() {
+    let db = TestDb::new(10).await;
+    db.register(&Workflow::new("abc", 1).step("a").step("b").step("c"))
+        .await;
+    let id = db.engine.start("abc", &json!(null)).await.unwrap();
+    for handler in ["a", "b"] {
+        let task = claim_n(&db.engine, 1).await.remove(0);
+        assert_eq!(task.handler(), handler);
+        db.engine.complete(&task, json!(handler)).await.unwrap();
+    }
+    sqlx::query("DELETE FROM confluo.stage_group WHERE execution_id = $1 AND stage_name = 'c'")
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let repairs = db.engine.repair().await.unwrap();
+    assert_eq!(repairs.executions_advanced, 1, "{repairs:?}");
+    assert_eq!(groups_of(&db, id, "b").await, (1, 1));
+    assert_eq!(groups_of(&db, id, "c").await, (1, 0));
+    let c = claim_n(&db.engine, 1).await.remove(0);
+    assert_eq!(c.handler(), "c");
+    assert_eq!(db.engine.task_input(&c).await.unwrap(), json!("b"));
+    db.engine.complete(&c, json!("done")).await.unwrap();
+    assert_eq!(
+        db.engine.status(id).await.unwrap(),
+        ExecutionStatus::Completed
+    );
+    assert!(db.engine.doctor().await.unwrap().is_healthy());
+}

@@ -79,8 +79,7 @@ pub(crate) fn graph(stages: &[Stage]) -> Vec<Vec<usize>> {
 }
 
 /// Checks the dependencies of a workflow's list: each names an earlier stage of the list
-/// once,
-/// every stage but the last is waited for, a stage waiting for several can take an
+/// once, every stage but the last is waited for, a stage waiting for several can take an
 /// object, and no stage inside a branch's arms names any.
 pub(crate) fn check(stages: &[Stage]) -> Result<(), DefinitionError> {
     for stage in stages {

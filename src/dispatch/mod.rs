@@ -236,15 +236,15 @@ fn stored_kind(kind: &str) -> &'static str {
     }
 }
 
-/// Enters stage `index` of the plan, fed by `input` (`None`: the execution input). Its group uses the stage's fan-in strategy, else `default_fan_in`.
-/// A branch records its choice and goes on to its arm's first stage; a sleep's task is due
-/// at its wake time; a signal wait receives the signal kept for it, if it came first, and
-/// goes on; a stage with no
-/// members (an empty map) fires at once, and the execution goes on to what follows it;
-/// all in the caller's transaction. An unmatched
-/// branch without `otherwise`, a sleep whose input holds no time, or a map whose input
-/// (reached through a branch or a sleep) is not an array it can take, fails the execution
-/// with the reason recorded on it. When the flow of the stage's node ends (a stage that
+/// Enters stage `index` of the plan, fed by `input` (`None`: the execution input). Its
+/// group uses the stage's fan-in strategy, else `default_fan_in`. A branch records its
+/// choice and goes on to its arm's first stage; a sleep's task is due at its wake time; a
+/// signal wait receives the signal kept for it, if it came first, and goes on; a stage
+/// with no members (an empty map) fires at once, and the execution goes on to what
+/// follows it; all in the caller's transaction. An unmatched branch without `otherwise`,
+/// a sleep whose input holds no time, or a map whose input (reached through a branch or a
+/// sleep) is not an array it can take, fails the execution with the reason recorded on
+/// it. When the flow of the stage's node ends (a stage that
 /// fired at once, an empty arm), what waits for the node is entered in turn
 /// ([`nodes::finish`]). Returns the groups of the stages it entered with members, and
 /// whether the execution ended.

@@ -213,10 +213,12 @@ pub(crate) async fn keep_redrive(conn: &mut PgConnection) -> Result<()> {
     Ok(())
 }
 
-/// Undoes the attempt since [`begin_redrive`] (it found its next stage entered already).
+/// Undoes the attempt since [`begin_redrive`] (it found its next stage entered already),
+/// and releases the savepoint: `ROLLBACK TO` keeps it, and the next attempt's would
+/// otherwise nest inside it, one more subtransaction per group.
 pub(crate) async fn undo_redrive(conn: &mut PgConnection) -> Result<()> {
     super::query("ROLLBACK TO SAVEPOINT confluo_redrive")
-        .execute(conn)
+        .execute(&mut *conn)
         .await?;
-    Ok(())
+    keep_redrive(conn).await
 }
