@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{TestDb, STRATEGIES};
-use confluo::{Engine, ExecutionId, ExecutionStatus, Stage, TaskId, Workflow};
+use confluo::{Engine, ExecutionId, ExecutionStatus, FanInStrategy, Stage, TaskId, Workflow};
 use tokio::sync::Barrier;
 
 const ROUNDS: usize = 12;
@@ -255,4 +255,95 @@ async fn racing_pools(db: &TestDb, n: usize) -> Vec<sqlx::PgPool> {
         pools.push(db.new_pool(2).await);
     }
     pools
+}
+
+/// A batch that locks its executions first (row-lock members) takes a parent before its
+/// child whatever their ids (`locks::executions`: depth, then id): while a parent is held
+/// elsewhere, the batch waiting for it holds its child's execution unlocked. In plain id
+/// order, a child whose id sorts first would be locked before the wait, the half of the
+/// cycle a reprocess (parent, then children) closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_locks_a_parent_before_its_child_whatever_their_ids() {
+    let db = TestDb::new(4).await;
+    let engine = common::engine_builder(db.pool.clone())
+        .fan_in(FanInStrategy::RowLock)
+        .build();
+    engine
+        .register(&Workflow::new("kid", 1).step("work"))
+        .await
+        .unwrap();
+    engine
+        .register(
+            &Workflow::new("parent", 1)
+                .map_workflow("kids", "kid")
+                .stage(Stage::step("side").at_start())
+                .stage(Stage::step("end").after(["kids", "side"])),
+        )
+        .await
+        .unwrap();
+    // A parent whose child's id sorts before its own (even odds per try).
+    let (parent, child) = loop {
+        let parent = engine.start("parent", &[1]).await.unwrap();
+        let child: ExecutionId =
+            sqlx::query_scalar("SELECT id FROM confluo.execution WHERE parent_execution = $1")
+                .bind(parent)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        if child.to_string() < parent.to_string() {
+            break (parent, child);
+        }
+        engine.cancel(parent).await.unwrap();
+    };
+    let tasks = common::claim_n(&engine, 2).await;
+    assert!(tasks.iter().any(|t| t.execution_id() == child));
+    assert!(tasks.iter().any(|t| t.execution_id() == parent));
+    let mut holder = db.connection().await;
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(parent)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let batch = {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let items: Vec<_> = tasks.iter().map(|t| (t, serde_json::json!(1))).collect();
+            engine.complete_batch(&items).await.unwrap()
+        })
+    };
+    // Until the batch waits for the parent's lock.
+    let mut probe = db.connection().await;
+    for _ in 0..200 {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock')",
+        )
+        .fetch_one(&mut probe)
+        .await
+        .unwrap();
+        if waiting {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query("BEGIN").execute(&mut probe).await.unwrap();
+    let free =
+        sqlx::query("SELECT 1 FROM confluo.execution WHERE id = $1 FOR NO KEY UPDATE NOWAIT")
+            .bind(child)
+            .execute(&mut probe)
+            .await;
+    sqlx::query("ROLLBACK").execute(&mut probe).await.unwrap();
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let outcomes = batch.await.unwrap();
+    assert!(
+        free.is_ok(),
+        "the batch locked the child before its parent: {free:?}"
+    );
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, confluo::Outcome::Completed { .. })),
+        "{outcomes:?}"
+    );
 }

@@ -64,7 +64,10 @@ pub(crate) async fn execution(conn: &mut PgConnection, id: ExecutionId) -> Resul
 }
 
 /// Locks executions in the order above: by depth (how many parents each has), then id.
-/// Most executions have no parent: the walk up stops at once.
+/// Most executions have no parent: the walk up stops at once. Depth counts the ancestors
+/// still stored (`parent_execution` has no foreign key, and a purged ancestor ends the
+/// walk), which keeps the order that matters: a stored parent's depth is always one less
+/// than its child's.
 pub(crate) async fn executions(conn: &mut PgConnection, ids: &[ExecutionId]) -> Result<()> {
     super::query(
         "WITH RECURSIVE up (id, ancestor, depth) AS (
