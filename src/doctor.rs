@@ -297,35 +297,20 @@ impl Engine {
         Ok(repairs)
     }
 
-    /// Moves a stalled execution on, in one transaction holding its lock: drives every
-    /// fired group's transition again, in stage order (a stall in a graph can sit on any
-    /// branch, not only after the last group). A group whose next stage is entered
-    /// already finds it so (the stage's group is unique per execution) and is undone to
-    /// its savepoint; a dependency that arrived at its join already arrives no second
-    /// time; the rest enter what was never entered, or complete the execution after its
-    /// last stage. Returns whether the execution is stalled no more.
+    /// Moves a stalled execution on, in one transaction holding its lock
+    /// ([`dispatch::redrive`]): what it starts with, and what follows every fired group,
+    /// is entered if it never was (a stall in a graph can sit on any branch, and a
+    /// fan-out may have lost one dependent of several); a dependency that arrived at its
+    /// join already arrives no second time. Returns whether the execution is stalled no
+    /// more.
     async fn redrive_stalled(&self, execution: ExecutionId) -> Result<bool> {
         let mut tx = crate::store::begin(self.pool()).await?;
-        if !audit::lock_if_stalled(&mut tx, execution).await? {
+        let Some(stalled) = audit::lock_if_stalled(&mut tx, execution).await? else {
             return Ok(false);
-        }
-        for (group, stage) in audit::redrivable_groups(&mut tx, execution).await? {
-            audit::begin_redrive(&mut tx).await?;
-            match dispatch::advance_after_fired(self, &mut tx, execution, group, stage).await {
-                Ok(_) => audit::keep_redrive(&mut tx).await?,
-                Err(e) if entered_already(&e) => audit::undo_redrive(&mut tx).await?,
-                Err(e) => return Err(e),
-            }
-        }
+        };
+        dispatch::redrive(self, &mut tx, execution, &stalled).await?;
         let advanced = !audit::is_stalled(&mut tx, execution).await?;
         tx.commit().await?;
         Ok(advanced)
     }
-}
-
-/// Whether driving a group again failed because its next stage has a group already
-/// (the `(execution_id, stage_index)` guard: a unique violation).
-fn entered_already(error: &crate::Error) -> bool {
-    matches!(error, crate::Error::Database(sqlx::Error::Database(db))
-        if db.constraint() == Some("stage_group_execution_id_stage_index_key"))
 }

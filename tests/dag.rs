@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{claim_n, quick_worker, race_completions, TestDb, STRATEGIES, WAIT};
+use common::{claim_n, groups_of, quick_worker, race_completions, TestDb, STRATEGIES, WAIT};
 use confluo::{
     DefinitionError, Error, ExecutionId, ExecutionStatus, FanInStrategy, Outcome, Stage, TaskError,
     Workflow,
@@ -33,19 +33,6 @@ fn report(name: &str, strategy: FanInStrategy) -> Workflow {
                 .after(["fetch_b", "checks"])
                 .fan_in(strategy),
         )
-}
-
-/// How many groups of stage `stage` the execution has, and how many of them fired.
-async fn groups_of(db: &TestDb, id: ExecutionId, stage: &str) -> (i64, i64) {
-    sqlx::query_as(
-        "SELECT count(*), count(fired_at) FROM confluo.stage_group
-          WHERE execution_id = $1 AND stage_name = $2",
-    )
-    .bind(id)
-    .bind(stage)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -469,82 +456,4 @@ async fn a_resume_that_would_fail_the_execution_at_once_is_refused_and_leaves_th
         .expect("still dead");
     assert_eq!(groups_of(&db, id, "fetch_b").await, (1, 0));
     assert_eq!(groups_of(&db, id, "route").await, (0, 0));
-}
-
-/// a1 then a2, and b from the start; merge after a2 and b. a2's entry is lost (a defect)
-/// after a1 fired, and b then arrives at the join: the stall is on the lower branch, not
-/// after the last group.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_auditor_moves_a_stall_on_any_branch_of_the_graph_on() {
-    let db = TestDb::new(10).await;
-    db.register(
-        &Workflow::new("two_branches", 1)
-            .step("a1")
-            .step("a2")
-            .stage(Stage::step("b").at_start())
-            .stage(Stage::step("merge").after(["a2", "b"])),
-    )
-    .await;
-    let id = db.engine.start("two_branches", &json!(null)).await.unwrap();
-    let mut tasks = claim_n(&db.engine, 2).await;
-    tasks.sort_by_key(|t| t.handler().to_owned());
-    db.engine.complete(&tasks[0], json!("a1")).await.unwrap();
-    sqlx::query("DELETE FROM confluo.stage_group WHERE execution_id = $1 AND stage_name = 'a2'")
-        .bind(id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    db.engine.complete(&tasks[1], json!("b")).await.unwrap();
-    let diagnosis = db.engine.doctor().await.unwrap();
-    assert_eq!(diagnosis.stalled_executions.len(), 1, "{diagnosis:?}");
-    let repairs = db.engine.repair().await.unwrap();
-    assert_eq!(repairs.executions_advanced, 1, "{repairs:?}");
-    assert!(db.engine.doctor().await.unwrap().is_healthy());
-    // a2 runs again from a1's output; its arrival enters merge once, with both.
-    let a2 = claim_n(&db.engine, 1).await.remove(0);
-    assert_eq!(a2.handler(), "a2");
-    assert_eq!(db.engine.task_input(&a2).await.unwrap(), json!("a1"));
-    db.engine.complete(&a2, json!("a2")).await.unwrap();
-    assert_eq!(groups_of(&db, id, "merge").await, (1, 0));
-    let merge = claim_n(&db.engine, 1).await.remove(0);
-    assert_eq!(
-        db.engine.task_input(&merge).await.unwrap(),
-        json!({"a2": "a2", "b": "b"})
-    );
-    // A second repair finds nothing to do.
-    assert_eq!(db.engine.repair().await.unwrap().found.len(), 0);
-}
-
-/// A chain a → b → c whose c was lost after b fired: re-driving a finds b entered (its
-/// attempt is undone to its savepoint, the unique guard's violation recognised), and
-/// re-driving b enters c once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_auditor_undoes_a_redrive_whose_next_stage_is_entered_and_goes_on() {
-    let db = TestDb::new(10).await;
-    db.register(&Workflow::new("abc", 1).step("a").step("b").step("c"))
-        .await;
-    let id = db.engine.start("abc", &json!(null)).await.unwrap();
-    for handler in ["a", "b"] {
-        let task = claim_n(&db.engine, 1).await.remove(0);
-        assert_eq!(task.handler(), handler);
-        db.engine.complete(&task, json!(handler)).await.unwrap();
-    }
-    sqlx::query("DELETE FROM confluo.stage_group WHERE execution_id = $1 AND stage_name = 'c'")
-        .bind(id)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let repairs = db.engine.repair().await.unwrap();
-    assert_eq!(repairs.executions_advanced, 1, "{repairs:?}");
-    assert_eq!(groups_of(&db, id, "b").await, (1, 1));
-    assert_eq!(groups_of(&db, id, "c").await, (1, 0));
-    let c = claim_n(&db.engine, 1).await.remove(0);
-    assert_eq!(c.handler(), "c");
-    assert_eq!(db.engine.task_input(&c).await.unwrap(), json!("b"));
-    db.engine.complete(&c, json!("done")).await.unwrap();
-    assert_eq!(
-        db.engine.status(id).await.unwrap(),
-        ExecutionStatus::Completed
-    );
-    assert!(db.engine.doctor().await.unwrap().is_healthy());
 }

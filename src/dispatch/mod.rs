@@ -12,11 +12,48 @@ use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId};
 use crate::store::groups::{MemberSource, Wake};
-use crate::store::{children, executions, fan_in, groups, signals};
+use crate::store::{audit, children, executions, fan_in, groups, signals};
 
 mod nodes;
 
-pub(crate) use nodes::start;
+/// How stages are entered: the fan-in strategy of a stage that names none (the
+/// execution's default), and whether this is the auditor re-driving a stalled execution.
+/// A repair steps over every stage entered already (its group exists): into the arm a
+/// branch took, and no further past anything else, whose own group the repair drives in
+/// turn, or which is still running.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Drive {
+    pub default_fan_in: FanInStrategy,
+    pub repair: bool,
+}
+
+impl Drive {
+    /// The engine moving an execution on.
+    pub(crate) fn run(default_fan_in: FanInStrategy) -> Drive {
+        Drive {
+            default_fan_in,
+            repair: false,
+        }
+    }
+}
+
+/// Enters every stage an execution starts with ([`nodes::start`]).
+pub(crate) async fn start(
+    engine: &Engine,
+    conn: &mut PgConnection,
+    workflow: &Workflow,
+    execution_id: ExecutionId,
+    default_fan_in: FanInStrategy,
+) -> Result<Entered> {
+    nodes::start(
+        engine,
+        conn,
+        workflow,
+        execution_id,
+        Drive::run(default_fan_in),
+    )
+    .await
+}
 
 /// What entering stages did: the groups entered with members, and whether the execution
 /// ended (completed after its last stage, or failed on the way).
@@ -132,7 +169,7 @@ pub(crate) async fn fire_many(
             row.execution_id,
             index,
             input,
-            row.fan_in.parse()?,
+            Drive::run(row.fan_in.parse()?),
         )
         .await?;
         if entered.ended {
@@ -146,22 +183,43 @@ pub(crate) async fn fire_many(
     Ok(fired)
 }
 
-/// Re-drives an execution whose group fired but whose next stage was never entered (an
-/// auditor repair, which has checked under the execution's lock that it is running and
-/// stalled). Returns whether it advanced.
-pub(crate) async fn advance_after_fired(
+/// Moves a stalled execution on (the auditor, which holds its lock and has checked that
+/// it runs and is stalled): enters again what it starts with, then drives every fired
+/// group but a branch's again, in stage order, until one ends the execution; all as a
+/// repair ([`Drive`]), which enters only what was never entered. A branch's group is not
+/// driven itself (that would take the branch's input on past its arm): the repair steps
+/// into the arm it took from whatever leads to the branch.
+pub(crate) async fn redrive(
     engine: &Engine,
     conn: &mut PgConnection,
     execution_id: ExecutionId,
-    group_id: GroupId,
-    stage_index: i32,
-) -> Result<bool> {
-    transition(engine, conn, execution_id, group_id, stage_index, true).await
+    stalled: &audit::StalledRow,
+) -> Result<()> {
+    let workflow = engine
+        .definition(&mut *conn, &stalled.workflow_name, stalled.workflow_version)
+        .await?;
+    let drive = Drive {
+        default_fan_in: stalled.fan_in.parse()?,
+        repair: true,
+    };
+    if nodes::start(engine, conn, &workflow, execution_id, drive)
+        .await?
+        .ended
+    {
+        return Ok(());
+    }
+    for (group, stage) in audit::redrivable_groups(conn, execution_id).await? {
+        if !transition(engine, conn, execution_id, group, stage, true).await? {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// Locks the execution and sets the group's fired marker (a second guard behind every
-/// strategy's decision); then, if this caller set it (or `redrive`), enters the next
-/// stage, or completes the execution after its last.
+/// strategy's decision); then, if this caller set it (or `redrive`, while the execution
+/// runs), enters the next stage, or completes the execution after its last. Returns
+/// whether it went on.
 async fn transition(
     engine: &Engine,
     conn: &mut PgConnection,
@@ -173,7 +231,9 @@ async fn transition(
     let Some(execution) = fan_in::lock_and_mark_fired(conn, execution_id, group_id).await? else {
         return Ok(false);
     };
-    if !(execution.fired || redrive) {
+    // A repair drives a fired group again, but only while the execution runs: an earlier
+    // group it drove may have ended it.
+    if !(execution.fired || redrive && execution.running) {
         return Ok(false);
     }
     let workflow = engine
@@ -193,8 +253,11 @@ async fn transition(
         executions::complete(conn, execution_id, stages, output).await?;
         return Ok(true);
     }
-    let fan_in = execution.fan_in.parse()?;
-    nodes::advance(engine, conn, &workflow, execution_id, index, input, fan_in).await?;
+    let drive = Drive {
+        default_fan_in: execution.fan_in.parse()?,
+        repair: redrive,
+    };
+    nodes::advance(engine, conn, &workflow, execution_id, index, input, drive).await?;
     Ok(true)
 }
 
@@ -236,8 +299,9 @@ fn stored_kind(kind: &str) -> &'static str {
     }
 }
 
-/// Enters stage `index` of the plan, fed by `input` (`None`: the execution input). Its
-/// group uses the stage's fan-in strategy, else `default_fan_in`. A branch records its
+/// Enters stage `index` of the plan, fed by `input` (`None`: the execution input), as
+/// `drive` says ([`Drive`]). Its group uses the stage's fan-in strategy, else the
+/// execution's default. A branch records its
 /// choice and goes on to its arm's first stage; a sleep's task is due at its wake time; a
 /// signal wait receives the signal kept for it, if it came first, and goes on; a stage
 /// with no members (an empty map) fires at once, and the execution goes on to what
@@ -255,7 +319,7 @@ pub(crate) async fn enter(
     workflow: &Workflow,
     index: usize,
     mut input: Option<Input>,
-    default_fan_in: FanInStrategy,
+    drive: Drive,
 ) -> Result<Entered> {
     let mut node = workflow.plan().node(index);
     let mut index = Some(index);
@@ -271,7 +335,7 @@ pub(crate) async fn enter(
                 input,
                 branch_group,
             };
-            return Box::pin(nodes::finish(engine, conn, workflow, after, default_fan_in)).await;
+            return Box::pin(nodes::finish(engine, conn, workflow, after, drive)).await;
         };
         let slot = workflow
             .plan()
@@ -279,7 +343,30 @@ pub(crate) async fn enter(
             .expect("the plan numbers every stage");
         node = slot.node;
         let stage = &slot.stage;
-        let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
+        if drive.repair {
+            if let Some(entered) = groups::entered_group(conn, execution_id, at).await? {
+                // Entered already: a repair goes on into the arm a branch took (deciding
+                // again on the same input takes the same arm), and stops at anything else.
+                let StageKind::Branch {
+                    by,
+                    arms,
+                    otherwise,
+                } = stage.kind()
+                else {
+                    return Ok(Entered::default());
+                };
+                let value = input_value(conn, execution_id, input).await?;
+                let Decision::Take(arm, _) =
+                    decide(stage.name(), by, arms, otherwise.is_some(), &value)
+                else {
+                    return Ok(Entered::default());
+                };
+                branch_group = Some(entered);
+                index = slot.entries[arm.unwrap_or(arms.len())];
+                continue;
+            }
+        }
+        let fan_in = stage.fan_in_strategy().unwrap_or(drive.default_fan_in);
         let input_stage = input.map_or(-1, |i| i.stage);
         if let StageKind::Branch {
             by,
@@ -386,7 +473,7 @@ pub(crate) async fn enter(
                 stage.name(),
                 workflow,
                 *version,
-                default_fan_in,
+                drive.default_fan_in,
             );
             if let Err(error) = Box::pin(started).await? {
                 executions::stop(conn, execution_id, "failed", Some(&error)).await?;
@@ -520,7 +607,7 @@ pub(crate) async fn enter_first_stage_many(
         || workflow.plan().roots().len() > 1
     {
         for &id in executions {
-            nodes::start(engine, conn, workflow, id, default_fan_in).await?;
+            nodes::start(engine, conn, workflow, id, Drive::run(default_fan_in)).await?;
         }
         return Ok(());
     }

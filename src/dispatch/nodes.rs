@@ -11,7 +11,7 @@
 use serde_json::{Map, Value};
 use sqlx::PgConnection;
 
-use super::{enter, Entered, Input, NodeEnd};
+use super::{enter, Drive, Entered, Input, NodeEnd};
 use crate::definition::Workflow;
 use crate::engine::Engine;
 use crate::error::Result;
@@ -28,20 +28,11 @@ pub(crate) async fn start(
     conn: &mut PgConnection,
     workflow: &Workflow,
     execution_id: ExecutionId,
-    default_fan_in: FanInStrategy,
+    drive: Drive,
 ) -> Result<Entered> {
     let mut entered = Entered::default();
     for &root in workflow.plan().roots() {
-        let more = enter(
-            engine,
-            conn,
-            execution_id,
-            workflow,
-            root,
-            None,
-            default_fan_in,
-        )
-        .await?;
+        let more = enter(engine, conn, execution_id, workflow, root, None, drive).await?;
         if entered.absorb(more) {
             break;
         }
@@ -58,22 +49,11 @@ pub(crate) async fn advance(
     execution_id: ExecutionId,
     index: usize,
     input: Option<Input>,
-    default_fan_in: FanInStrategy,
+    drive: Drive,
 ) -> Result<Entered> {
     let plan = workflow.plan();
     match plan.next(index) {
-        Some(next) => {
-            enter(
-                engine,
-                conn,
-                execution_id,
-                workflow,
-                next,
-                input,
-                default_fan_in,
-            )
-            .await
-        }
+        Some(next) => enter(engine, conn, execution_id, workflow, next, input, drive).await,
         None => {
             let end = NodeEnd {
                 execution_id,
@@ -81,7 +61,7 @@ pub(crate) async fn advance(
                 input,
                 branch_group: None,
             };
-            finish(engine, conn, workflow, end, default_fan_in).await
+            finish(engine, conn, workflow, end, drive).await
         }
     }
 }
@@ -94,7 +74,7 @@ pub(super) async fn finish(
     conn: &mut PgConnection,
     workflow: &Workflow,
     end: NodeEnd,
-    default_fan_in: FanInStrategy,
+    drive: Drive,
 ) -> Result<Entered> {
     let plan = workflow.plan();
     let passed = end.input.map(|i| i.group).or(end.branch_group);
@@ -117,7 +97,7 @@ pub(super) async fn finish(
                 workflow,
                 waiting,
                 end.input,
-                default_fan_in,
+                drive,
             );
             Box::pin(at).await?
         } else {
@@ -133,7 +113,7 @@ pub(super) async fn finish(
             if remaining > 0 {
                 continue;
             }
-            enter_join(conn, workflow, id, waiting, default_fan_in).await?
+            enter_join(conn, workflow, id, waiting, drive.default_fan_in).await?
         };
         if entered.absorb(more) {
             break;

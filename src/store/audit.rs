@@ -186,39 +186,27 @@ pub(crate) async fn lock_if_unfired(conn: &mut PgConnection, group_id: GroupId) 
     .await?)
 }
 
-/// Locks an execution and tells, from a snapshot taken after the lock, whether it is
+/// A stalled execution, as a repair moves it on.
+#[derive(Debug, Clone, FromRow)]
+pub(crate) struct StalledRow {
+    pub workflow_name: String,
+    pub workflow_version: i32,
+    /// The default fan-in strategy recorded when the execution started.
+    pub fan_in: String,
+}
+
+/// Locks an execution and, from a snapshot taken after the lock, returns it if it is
 /// still stalled.
 pub(crate) async fn lock_if_stalled(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
-) -> Result<bool> {
+) -> Result<Option<StalledRow>> {
     super::locks::execution(conn, execution_id).await?;
-    is_stalled(conn, execution_id).await
-}
-
-/// Marks where a repair's attempt to drive one group again starts, inside its
-/// transaction ([`undo_redrive`] rolls back to it).
-pub(crate) async fn begin_redrive(conn: &mut PgConnection) -> Result<()> {
-    super::query("SAVEPOINT confluo_redrive")
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
-/// Keeps what the attempt since [`begin_redrive`] did.
-pub(crate) async fn keep_redrive(conn: &mut PgConnection) -> Result<()> {
-    super::query("RELEASE SAVEPOINT confluo_redrive")
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
-/// Undoes the attempt since [`begin_redrive`] (it found its next stage entered already),
-/// and releases the savepoint: `ROLLBACK TO` keeps it, and the next attempt's would
-/// otherwise nest inside it, one more subtransaction per group.
-pub(crate) async fn undo_redrive(conn: &mut PgConnection) -> Result<()> {
-    super::query("ROLLBACK TO SAVEPOINT confluo_redrive")
-        .execute(&mut *conn)
-        .await?;
-    keep_redrive(conn).await
+    Ok(super::query_as(&format!(
+        "SELECT e.workflow_name, e.workflow_version, e.fan_in FROM confluo.execution e
+          WHERE e.id = $1 AND {STALLED}"
+    ))
+    .bind(execution_id)
+    .fetch_optional(conn)
+    .await?)
 }

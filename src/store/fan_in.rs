@@ -616,6 +616,8 @@ pub(crate) struct FiringRow {
     pub fan_in: String,
     /// True for the one caller that fires the group, if the execution is running.
     pub fired: bool,
+    /// Whether the execution is running.
+    pub running: bool,
 }
 
 /// Locks the execution row for the transition and sets the group's fired marker (a second
@@ -634,7 +636,8 @@ pub(crate) async fn lock_and_mark_fired(
              WHERE id = $2 AND fired_at IS NULL AND (SELECT status FROM e) = 'running'
          RETURNING id
          )
-         SELECT e.workflow_name, e.workflow_version, e.fan_in, EXISTS (SELECT 1 FROM marked) AS fired
+         SELECT e.workflow_name, e.workflow_version, e.fan_in, EXISTS (SELECT 1 FROM marked) AS fired,
+                e.status = 'running' AS running
            FROM e",
     )
     .bind(id)

@@ -213,13 +213,21 @@ pub(crate) async fn entered(
     execution_id: ExecutionId,
     stage: usize,
 ) -> Result<bool> {
+    Ok(entered_group(conn, execution_id, stage).await?.is_some())
+}
+
+/// The group of stage `stage`, if the execution has entered it (one per stage).
+pub(crate) async fn entered_group(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+    stage: usize,
+) -> Result<Option<GroupId>> {
     Ok(super::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM confluo.stage_group
-                         WHERE execution_id = $1 AND stage_index = $2)",
+        "SELECT id FROM confluo.stage_group WHERE execution_id = $1 AND stage_index = $2",
     )
     .bind(execution_id)
     .bind(stage as i32)
-    .fetch_one(conn)
+    .fetch_optional(conn)
     .await?)
 }
 

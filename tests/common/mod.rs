@@ -582,3 +582,16 @@ pub async fn claim_n(engine: &confluo::Engine, n: usize) -> Vec<confluo::Claimed
     }
     panic!("claimed {} of {n} tasks", tasks.len());
 }
+
+/// How many groups of stage `stage` the execution has, and how many of them fired.
+pub async fn groups_of(db: &TestDb, id: confluo::ExecutionId, stage: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT count(*), count(fired_at) FROM confluo.stage_group
+          WHERE execution_id = $1 AND stage_name = $2",
+    )
+    .bind(id)
+    .bind(stage)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
