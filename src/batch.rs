@@ -194,6 +194,7 @@ impl Engine {
 
         // `fired` goes to the batch's last member of each group that fired.
         let group_of: HashMap<TaskId, GroupId> = done.iter().map(|r| (r.id, r.group_id)).collect();
+        let late: HashSet<TaskId> = done.iter().filter(|r| r.late).map(|r| r.id).collect();
         let mut first_of: HashMap<TaskId, usize> = HashMap::new();
         for (i, (task, _)) in items.iter().enumerate() {
             first_of.entry(task.id).or_insert(i);
@@ -204,6 +205,8 @@ impl Engine {
             outcomes[i] = match group_of.get(&task.id) {
                 // The same acknowledgement twice in one batch: the second is a replay.
                 Some(_) if first_of[&task.id] != i => Outcome::AlreadyRecorded,
+                // Completed after its quorum group fired: cancelled instead.
+                Some(_) if late.contains(&task.id) => Outcome::Cancelled,
                 Some(group) => Outcome::Completed {
                     fired: fired_groups.contains(group) && credited.insert(*group),
                 },

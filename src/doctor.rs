@@ -72,6 +72,9 @@ pub struct CounterMismatch {
     pub stage_index: i32,
     /// The stripe, for a striped group's stripe row; `None` for the group's own counter.
     pub stripe: Option<i32>,
+    /// Which counter: `remaining` (non-terminal members), or a quorum join's `needed`
+    /// (successes still needed) or `tolerable` (dead members it can still absorb).
+    pub counter_name: String,
     /// What the counter says.
     pub counter: i32,
     /// What it should say: its non-terminal members (for a striped group's own counter,
@@ -180,6 +183,7 @@ impl Engine {
                     execution_id: r.execution_id,
                     stage_index: r.stage_index,
                     stripe: r.stripe,
+                    counter_name: r.name,
                     counter: r.counter,
                     expected: r.expected,
                 })

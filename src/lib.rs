@@ -96,8 +96,8 @@ pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
 pub use dead_letters::{DeadLetterDetail, DeadLetterFilter, DeadLetterSummary, Reprocessed};
 pub use definition::{
-    Arm, Branch, BranchChoice, DefinitionError, OnMemberFailure, RetryPolicy, SignalWait, Stage,
-    StageKind, Workflow,
+    Arm, Branch, BranchChoice, DefinitionError, Join, OnMemberFailure, RetryPolicy, SignalWait,
+    Stage, StageKind, Workflow,
 };
 pub use doctor::{ChildRef, CounterMismatch, Diagnosis, GroupRef, Repairs, SignalRef};
 pub use engine::{Engine, EngineBuilder};

@@ -21,7 +21,7 @@ use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, LeaseToken, TaskId};
 use crate::metrics;
 use crate::store::tasks::HandlerKeys;
-use crate::store::{executions, fan_in, locks, millis, tasks};
+use crate::store::{executions, fan_in, locks, millis, quorum, tasks};
 
 /// What an acknowledgement did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,7 +44,8 @@ pub enum Outcome {
         /// Whether this arrival fired the group.
         fired: bool,
     },
-    /// The task was cancelled because its execution has stopped.
+    /// The task was cancelled: its execution has stopped, or, completing, its stage's
+    /// quorum join ([`Join`](crate::Join)) had fired already (its output is not passed on).
     Cancelled,
     /// This attempt's outcome had already been recorded (a replayed or duplicated
     /// acknowledgement): nothing changed.
@@ -373,6 +374,11 @@ impl Engine {
             drop(conn); // a pool of one connection needs it back to explain
             return self.explain_no_match(task.id, task.lease).await;
         };
+        if row.late {
+            // Its quorum group had fired: `complete_many` cancelled it.
+            tx.commit().await?;
+            return Ok(Outcome::Cancelled);
+        }
         let last = !fan_in::last_arrivals(&mut tx, &done).await?.is_empty();
         let fired = last
             && dispatch::fire(
@@ -468,17 +474,46 @@ impl Engine {
                 Outcome::DeadLettered { fired: false }
             }
             _ => {
-                let last = fan_in::decide(
+                let counted = fan_in::Counted {
+                    remaining: row.remaining,
+                    quorum: stage.join_rule().quorum().map(|k| k as i32),
+                    reached: false,
+                    unreachable: row.unreachable,
+                };
+                let verdict = fan_in::decide(
                     a.fan_in,
                     &mut tx,
                     a.execution_id,
                     row.group_id,
-                    row.remaining,
+                    counted,
+                    &[],
                 )
                 .await?;
-                let fired = last
-                    && dispatch::fire(self, &mut tx, a.execution_id, row.group_id, row.stage_index)
-                        .await?;
+                let fired = match verdict {
+                    fan_in::Verdict::Wait => false,
+                    fan_in::Verdict::Fire => {
+                        dispatch::fire(self, &mut tx, a.execution_id, row.group_id, row.stage_index)
+                            .await?
+                    }
+                    fan_in::Verdict::Unreachable => {
+                        let q = quorum::state(&mut tx, row.group_id).await?;
+                        let message = format!(
+                            "stage {:?} failed: its join {} needs {} of its {} members to \
+                             complete, and {} were dead-lettered, so it can no longer fire; the \
+                             last, task {}, after {} attempt(s): {}",
+                            stage.name(),
+                            stage.join_rule(),
+                            q.quorum,
+                            q.width,
+                            q.dead,
+                            a.id,
+                            row.attempt,
+                            error
+                        );
+                        executions::stop(&mut tx, a.execution_id, "failed", Some(&message)).await?;
+                        false
+                    }
+                };
                 Outcome::DeadLettered { fired }
             }
         };

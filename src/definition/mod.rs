@@ -7,6 +7,7 @@
 mod branch;
 mod child;
 mod dependencies;
+mod join;
 mod plan;
 mod retry;
 mod signal;
@@ -22,6 +23,8 @@ use crate::fanin::FanInStrategy;
 pub(crate) use branch::{decide, Decision};
 pub use branch::{Arm, Branch, BranchChoice};
 pub(crate) use child::CHILD_HANDLER;
+pub(crate) use join::strategy_for;
+pub use join::Join;
 pub(crate) use plan::Plan;
 pub use retry::RetryPolicy;
 pub use signal::SignalWait;
@@ -82,6 +85,9 @@ pub struct Stage {
     /// The stages it waits for ([`Stage::after`]); `None`: the one listed before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     after: Option<Vec<String>>,
+    /// When a parallel or map stage fires ([`Stage::join`]).
+    #[serde(default, skip_serializing_if = "Join::is_all")]
+    join: Join,
 }
 
 /// What a stage runs.
@@ -205,6 +211,7 @@ impl Stage {
             priority: 0,
             fan_in: None,
             after: None,
+            join: Join::All,
         }
     }
 
@@ -302,8 +309,28 @@ impl Stage {
         self
     }
 
+    /// When this parallel or map stage fires ([`Join`]): once every member is terminal
+    /// (`All`, the default), as soon as one member completes (`Any`), or as soon as `k`
+    /// have (`AtLeast(k)`), failing the execution once `k` can no longer be reached. When
+    /// a quorum fires, the members still pending or running are cancelled in the same
+    /// transaction (a member being acknowledged at that instant finishes, and counts as
+    /// cancelled if it completes), and the next stage receives the completed members'
+    /// outputs, as for `All`, with the others under `failed`. A map entered with fewer
+    /// members than `k` fails the execution, saying so. A quorum counts on the group's own
+    /// row: it cannot be striped ([`FanInStrategy::Striped`](crate::FanInStrategy) as the
+    /// engine's default gives way to a countdown for this stage).
+    pub fn join(mut self, rule: Join) -> Self {
+        self.join = rule;
+        self
+    }
+
+    /// The stage's join rule.
+    pub fn join_rule(&self) -> Join {
+        self.join
+    }
+
     /// Fail the whole execution as soon as one member is dead-lettered, instead of passing
-    /// partial results on.
+    /// partial results on (whatever the join rule).
     pub fn fail_execution_on_member_failure(mut self) -> Self {
         self.on_member_failure = OnMemberFailure::FailExecution;
         self

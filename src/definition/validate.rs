@@ -88,6 +88,11 @@ impl Workflow {
             if stage.timeout_ms == 0 || stage.timeout_ms > i64::MAX as u64 {
                 return Err(DefinitionError::InvalidTimeout(stage.name.clone()));
             }
+            super::join::check(stage).map_err(|reason| DefinitionError::InvalidJoinRule {
+                stage: stage.name.clone(),
+                rule: stage.join.to_string(),
+                reason,
+            })?;
         }
         super::dependencies::check(&self.stages)
     }
@@ -396,6 +401,16 @@ pub enum DefinitionError {
         stage: String,
         /// The child workflow named.
         workflow: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A join rule the stage cannot have ([`Stage::join`](crate::Stage::join)).
+    #[error("join rule {rule} of stage {stage:?} is invalid: {reason}")]
+    InvalidJoinRule {
+        /// The stage.
+        stage: String,
+        /// The rule given.
+        rule: String,
         /// Why it is refused.
         reason: &'static str,
     },

@@ -155,6 +155,7 @@ pub(crate) async fn fire_many(
             .definition(&mut *conn, &row.workflow_name, row.workflow_version)
             .await?;
         let index = stage_of[&row.group_id] as usize;
+        cancel_unjoined(conn, &workflow, row.group_id, index).await?;
         let input = input_after(conn, &workflow, row.group_id, index).await?;
         if workflow.plan().ends_after(index) {
             completed.push(row.execution_id);
@@ -244,6 +245,9 @@ async fn transition(
         )
         .await?;
     let index = stage_index as usize;
+    if execution.fired {
+        cancel_unjoined(conn, &workflow, group_id, index).await?;
+    }
     let input = input_after(conn, &workflow, group_id, index).await?;
     if workflow.plan().ends_after(index) {
         // The last stage: its output (or, for a sleep, what it received; the sleep's own
@@ -259,6 +263,23 @@ async fn transition(
     };
     nodes::advance(engine, conn, &workflow, execution_id, index, input, drive).await?;
     Ok(true)
+}
+
+/// Cancels what is left of a quorum group that fired ([`fan_in::cancel_unjoined`]); a
+/// group of join `all` has nothing left.
+async fn cancel_unjoined(
+    conn: &mut PgConnection,
+    workflow: &Workflow,
+    group: GroupId,
+    index: usize,
+) -> Result<()> {
+    let quorum = workflow
+        .stage_at(index)
+        .is_some_and(|s| s.join_rule().quorum().is_some());
+    if quorum {
+        fan_in::cancel_unjoined(conn, group).await?;
+    }
+    Ok(())
 }
 
 /// What comes after stage `index`'s group receives: the group's output, or, after a
@@ -366,7 +387,7 @@ pub(crate) async fn enter(
                 continue;
             }
         }
-        let fan_in = stage.fan_in_strategy().unwrap_or(drive.default_fan_in);
+        let fan_in = crate::definition::strategy_for(stage, drive.default_fan_in);
         let input_stage = input.map_or(-1, |i| i.stage);
         if let StageKind::Branch {
             by,
@@ -454,6 +475,10 @@ pub(crate) async fn enter(
             fan_in,
         )
         .await?;
+        if let Some(error) = short_of_quorum(stage, width) {
+            executions::stop(conn, execution_id, "failed", Some(&error)).await?;
+            return Ok(Entered::ended());
+        }
         if wait.is_some() {
             // A signal that came before its stage was kept: received now, as it would
             // have been had it come after. The execution's lock, held here and by
@@ -533,6 +558,20 @@ async fn start_children(
     Ok(Ok(()))
 }
 
+/// Why stage `stage`, entered with `width` members, can never fire, if it cannot: its
+/// join needs more successes than it has members (a map over a short array).
+fn short_of_quorum(stage: &crate::definition::Stage, width: i32) -> Option<String> {
+    let k = stage.join_rule().quorum()?;
+    (i64::from(width) < i64::from(k)).then(|| {
+        format!(
+            "stage {:?} joins {} but was entered with {width} member(s), so it can never \
+             fire: give it at least {k} elements, or lower its join rule",
+            stage.name(),
+            stage.join_rule()
+        )
+    })
+}
+
 /// Whether a group of this kind has one member whose output is the group's (a step, a
 /// signal wait), rather than a block's aggregate.
 fn one_output(kind: &str) -> bool {
@@ -601,7 +640,7 @@ pub(crate) async fn enter_first_stage_many(
         return Ok(());
     }
     let stage = &workflow.stages()[0];
-    let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
+    let fan_in = crate::definition::strategy_for(stage, default_fan_in);
     if !matches!(stage.kind(), StageKind::Step | StageKind::Parallel { .. })
         || fan_in == FanInStrategy::Striped
         || workflow.plan().roots().len() > 1

@@ -142,7 +142,7 @@ async fn enter_join(
     let stage = workflow
         .stage_at(index)
         .expect("the plan numbers every stage");
-    let fan_in = stage.fan_in_strategy().unwrap_or(default_fan_in);
+    let fan_in = crate::definition::strategy_for(stage, default_fan_in);
     let group: GroupId = GroupId::new();
     let input = Value::Object(input);
     let source = MemberSource::Given(&input);

@@ -15,13 +15,17 @@ pub(crate) struct CounterRow {
     pub execution_id: ExecutionId,
     pub stage_index: i32,
     pub stripe: Option<i32>,
+    /// `remaining`, or a quorum's `needed` or `tolerable`.
+    pub name: String,
     pub counter: i32,
     pub expected: i32,
 }
 
 /// Counters of running executions' groups that disagree with their members: a countdown
 /// group's `remaining` against its non-terminal members; a striped group's stripes against
-/// their non-terminal members, and its `remaining` against its undrained stripes.
+/// their non-terminal members, and its `remaining` against its undrained stripes; a
+/// countdown quorum group's `needed` against its quorum less its completed members, and
+/// its `tolerable` against its width less its quorum and its dead members.
 pub(crate) async fn counter_mismatches(conn: &mut PgConnection) -> Result<Vec<CounterRow>> {
     Ok(super::query_as(
         "WITH g AS (
@@ -45,15 +49,29 @@ pub(crate) async fn counter_mismatches(conn: &mut PgConnection) -> Result<Vec<Co
                               WHERE st.group_id = g.id AND st.open > 0)
                    END::int AS open
               FROM g
+         ), quorum_truth AS (
+            SELECT g.id, g.execution_id, g.stage_index, g.needed, g.tolerable,
+                   g.quorum - count(*) FILTER (WHERE t.status = 'completed')::int AS needs,
+                   g.width - g.quorum - count(*) FILTER (WHERE t.status = 'dead')::int AS tolerates
+              FROM g JOIN confluo.task t ON t.group_id = g.id
+             WHERE g.fan_in = 'countdown' AND g.quorum IS NOT NULL
+             GROUP BY g.id, g.execution_id, g.stage_index, g.needed, g.tolerable, g.quorum, g.width
          )
          SELECT id AS group_id, execution_id, stage_index, NULL::int AS stripe,
-                remaining AS counter, open AS expected
+                'remaining' AS name, remaining AS counter, open AS expected
            FROM group_truth WHERE remaining IS DISTINCT FROM open
          UNION ALL
-         SELECT st.group_id, g.execution_id, g.stage_index, st.stripe, st.remaining, st.open
+         SELECT st.group_id, g.execution_id, g.stage_index, st.stripe, 'remaining',
+                st.remaining, st.open
            FROM stripe_truth st JOIN g ON g.id = st.group_id
           WHERE st.remaining <> st.open
-         ORDER BY 1, 4 NULLS FIRST",
+         UNION ALL
+         SELECT id, execution_id, stage_index, NULL, 'needed', needed, needs
+           FROM quorum_truth WHERE needed <> needs
+         UNION ALL
+         SELECT id, execution_id, stage_index, NULL, 'tolerable', tolerable, tolerates
+           FROM quorum_truth WHERE tolerable <> tolerates
+         ORDER BY 1, 4 NULLS FIRST, 5",
     )
     .fetch_all(conn)
     .await?)
@@ -67,7 +85,9 @@ pub(crate) struct GroupRow {
     pub stage_index: i32,
 }
 
-/// Groups of running executions whose members are all terminal but that never fired.
+/// Groups of running executions whose members are all terminal but that never fired (a
+/// quorum group only if enough of them completed: one that failed its quorum fails its
+/// execution instead).
 pub(crate) async fn unfired_groups(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
     Ok(super::query_as(
         "SELECT g.id AS group_id, g.execution_id, g.stage_index
@@ -75,6 +95,9 @@ pub(crate) async fn unfired_groups(conn: &mut PgConnection) -> Result<Vec<GroupR
           WHERE e.status = 'running' AND g.fired_at IS NULL
             AND NOT EXISTS (SELECT 1 FROM confluo.task t
                              WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
+            AND (g.quorum IS NULL
+                 OR (SELECT count(*) FROM confluo.task q
+                      WHERE q.group_id = g.id AND q.status = 'completed') >= g.quorum)
           ORDER BY g.execution_id, g.stage_index",
     )
     .fetch_all(conn)
@@ -159,7 +182,11 @@ pub(crate) async fn recount(conn: &mut PgConnection, group_id: GroupId) -> Resul
                                         WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
                 WHEN 'striped' THEN (SELECT count(*) FROM confluo.group_stripe s
                                       WHERE s.group_id = g.id AND s.remaining > 0)
-                ELSE g.remaining END
+                ELSE g.remaining END,
+                needed = g.quorum - (SELECT count(*) FROM confluo.task t
+                                      WHERE t.group_id = g.id AND t.status = 'completed'),
+                tolerable = g.width - g.quorum - (SELECT count(*) FROM confluo.task t
+                                                   WHERE t.group_id = g.id AND t.status = 'dead')
           WHERE g.id = $1
       RETURNING g.remaining",
     )
@@ -179,7 +206,10 @@ pub(crate) async fn lock_if_unfired(conn: &mut PgConnection, group_id: GroupId) 
             SELECT 1 FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
              WHERE g.id = $1 AND g.fired_at IS NULL AND e.status = 'running'
                AND NOT EXISTS (SELECT 1 FROM confluo.task t
-                                WHERE t.group_id = g.id AND t.status IN ('pending', 'running')))",
+                                WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
+            AND (g.quorum IS NULL
+                 OR (SELECT count(*) FROM confluo.task q
+                      WHERE q.group_id = g.id AND q.status = 'completed') >= g.quorum))",
     )
     .bind(group_id)
     .fetch_one(conn)

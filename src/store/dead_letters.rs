@@ -155,7 +155,7 @@ pub(crate) async fn requeue(
                    worker_id = NULL, started_at = NULL, finished_at = NULL, output = NULL
               FROM picked p
              WHERE t.id = p.id AND t.status = p.status
-         RETURNING t.id, t.group_id, t.item_index
+         RETURNING t.id, t.group_id, t.item_index, p.status AS outcome
          ) {},
          woken AS (
             SELECT pg_notify('{}', '') FROM (SELECT 1 FROM requeued LIMIT 1) r
@@ -186,6 +186,9 @@ pub(crate) async fn settled_unfired(
           WHERE g.execution_id = $1 AND g.fired_at IS NULL AND g.width > 0
             AND NOT EXISTS (SELECT 1 FROM confluo.task t
                              WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
+            AND (g.quorum IS NULL
+                 OR (SELECT count(*) FROM confluo.task q
+                      WHERE q.group_id = g.id AND q.status = 'completed') >= g.quorum)
           ORDER BY g.stage_index",
     )
     .bind(execution_id)

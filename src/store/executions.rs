@@ -232,7 +232,7 @@ static CANCEL_PENDING: LazyLock<String> = LazyLock::new(|| {
         "WITH cancelled AS (
             UPDATE confluo.task SET status = 'cancelled', finished_at = now()
              WHERE execution_id = ANY($1) AND status = 'pending'
-         RETURNING group_id, item_index
+         RETURNING group_id, item_index, 'cancelled'::text AS outcome
          ) {}
          SELECT count(*) FROM c_groups",
         fan_in::counters_sql("cancelled", Count::Down)

@@ -39,6 +39,7 @@ use sqlx::{FromRow, PgConnection};
 
 use super::locks;
 use super::plans::{self, Plans};
+use super::quorum;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
 use crate::ids::{ExecutionId, GroupId, LeaseToken, TaskId};
@@ -123,26 +124,41 @@ pub(crate) enum Count {
 }
 
 /// The CTEs (to follow a `WITH source AS (...)` that yields at least `group_id,
-/// item_index` of the members that changed) moving their groups' counters by one per
+/// item_index, outcome` of the members that changed: `outcome` is the status they took,
+/// counting down, or the one they left, counting up) moving their groups' counters by one per
 /// member: countdown groups directly; striped groups on their stripes, and on the group
 /// row by the number of stripes that drained (down) or came back from zero (up). Rows are
 /// locked stripes first, then groups, each in id order, so that no two statements that
 /// count can deadlock. Groups of re-counting strategies are not touched.
 ///
 /// Two CTEs are for the statement's own use: `c_members` (the source's rows, each with
-/// its group's `fan_in` and `stripe`; so the source must not have columns of those
-/// names) and `c_groups` (`id, remaining` of every group
-/// row it moved: a countdown group, or a striped group whose stripes drained or
-/// refilled).
+/// its group's `fan_in`, `quorum` and `stripe`; so the source must not have columns of
+/// those names) and `c_groups` (`id, remaining, reached, unreachable, late` of every
+/// group row it moved: a countdown group, or a striped group whose stripes drained or
+/// refilled). A quorum group ([`Join`](crate::Join)) also moves `needed` by its
+/// completed members and `tolerable` by its dead ones: `reached` is true for the one
+/// statement that takes `needed` to zero or below, `unreachable` for the one that takes
+/// `tolerable` below zero, and `late` for completions after `needed` got there.
 pub(crate) fn counters_sql(source: &str, count: Count) -> String {
     let (op, crossed) = match count {
         Count::Down => ("-", "s.remaining = 0"),
         Count::Up => ("+", "s.remaining = p.n"),
     };
+    // A quorum's crossings (RETURNING sees the row as updated): `needed` from above zero
+    // to zero or below, `tolerable` from zero or above to below zero; and completions of
+    // a group whose `needed` was at zero or below already (late: the group had fired).
+    let (reached, unreachable, late) = match count {
+        Count::Down => (
+            "COALESCE(g.needed <= 0 AND g.needed + p.n_completed > 0, false)",
+            "COALESCE(g.tolerable < 0 AND g.tolerable + p.n_dead >= 0, false)",
+            "COALESCE(g.needed + p.n_completed <= 0 AND p.n_completed > 0, false)",
+        ),
+        Count::Up => ("false", "false", "false"),
+    };
     format!(
         ", c_members AS (
             -- fan_in, stripes and stripe_run never change once a group exists.
-            SELECT m.*, g.fan_in,
+            SELECT m.*, g.fan_in, g.quorum,
                    confluo.stripe_of(m.item_index, g.stripe_run, g.stripes) AS stripe
               FROM {source} m JOIN confluo.stage_group g ON g.id = m.group_id
          ), c_per_stripe AS (
@@ -159,19 +175,23 @@ pub(crate) fn counters_sql(source: &str, count: Count) -> String {
              WHERE s.group_id = p.group_id AND s.stripe = p.stripe
          RETURNING s.group_id, {crossed} AS crossed
          ), c_per_group AS (
-            SELECT group_id, count(*)::int AS n
+            SELECT group_id, count(*)::int AS n,
+                   count(*) FILTER (WHERE outcome = 'completed')::int AS n_completed,
+                   count(*) FILTER (WHERE outcome = 'dead')::int AS n_dead
               FROM c_members WHERE fan_in = 'countdown' GROUP BY 1
              UNION ALL
-            SELECT group_id, count(*)::int FROM c_stripes WHERE crossed GROUP BY 1
+            SELECT group_id, count(*)::int, 0, 0 FROM c_stripes WHERE crossed GROUP BY 1
          ), c_groups_locked AS (
             SELECT g.id FROM confluo.stage_group g JOIN c_per_group p ON p.group_id = g.id
              ORDER BY g.id
                FOR NO KEY UPDATE OF g
          ), c_groups AS (
-            UPDATE confluo.stage_group g SET remaining = g.remaining {op} p.n
+            UPDATE confluo.stage_group g SET remaining = g.remaining {op} p.n,
+                   needed = g.needed {op} p.n_completed, tolerable = g.tolerable {op} p.n_dead
               FROM c_per_group p, (SELECT count(*) FROM c_groups_locked) l
              WHERE g.id = p.group_id
-         RETURNING g.id, g.remaining
+         RETURNING g.id, g.remaining, {reached} AS reached, {unreachable} AS unreachable,
+                   {late} AS late
          )"
     )
 }
@@ -184,15 +204,24 @@ pub(crate) struct CompletedRow {
     pub execution_id: ExecutionId,
     pub stage_index: i32,
     pub fan_in: String,
+    /// The successes its group needs, for a quorum join.
+    pub quorum: Option<i32>,
     /// The group's counter after this statement, where it moved the group row (`None`
     /// for re-counting strategies, and for a striped group whose stripe did not drain).
     pub remaining: Option<i32>,
+    /// Whether this statement reached its (countdown) group's quorum.
+    pub reached: bool,
+    /// Whether its (countdown) group had reached its quorum before: a late completion,
+    /// which [`complete_many`] cancels.
+    pub late: bool,
 }
 
 /// Completes running attempts (one or many) and counts their groups down, in one
 /// statement: each attempt guarded by its own lease token, each stripe and each group
 /// counted once for all its members here ([`counters_sql`]). Returns the members it
-/// completed, each with what the statement left on its group's counter.
+/// completed, each with what the statement left on its group's counter. Completions of
+/// a quorum group that had fired already (`late`) are then cancelled, in a statement of
+/// their own on the rows this one holds: they change nothing.
 pub(crate) async fn complete_many(
     conn: &mut PgConnection,
     ids: &[TaskId],
@@ -209,7 +238,12 @@ pub(crate) async fn complete_many(
             .bind(tokens)
             .bind(outputs),
     };
-    Ok(query.fetch_all(conn).await?)
+    let rows: Vec<CompletedRow> = query.fetch_all(&mut *conn).await?;
+    let late: Vec<TaskId> = rows.iter().filter(|r| r.late).map(|r| r.id).collect();
+    if !late.is_empty() {
+        quorum::cancel_late(conn, &late).await?;
+    }
+    Ok(rows)
 }
 
 /// What [`complete_many`] runs for a batch, and for one attempt (`$1`, `$2`, `$3`
@@ -231,7 +265,8 @@ static COMPLETE_MANY: LazyLock<String> = LazyLock::new(|| {
              WHERE ",
         by_id!("t", "held"),
         "
-         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index
+         RETURNING t.id, t.group_id, t.execution_id, t.stage_index, t.item_index,
+                   'completed'::text AS outcome
          )"
     ))
 });
@@ -244,7 +279,8 @@ static COMPLETE_ONE: LazyLock<String> = LazyLock::new(|| {
              WHERE ",
         held!("y", "$1::uuid", "$2::uuid"),
         "
-         RETURNING y.id, y.group_id, y.execution_id, y.stage_index, y.item_index
+         RETURNING y.id, y.group_id, y.execution_id, y.stage_index, y.item_index,
+                   'completed'::text AS outcome
          )"
     ))
 });
@@ -254,7 +290,9 @@ static COMPLETE_ONE: LazyLock<String> = LazyLock::new(|| {
 fn complete_sql(done: &str) -> String {
     format!(
         "{done} {}
-         SELECT m.id, m.group_id, m.execution_id, m.stage_index, m.fan_in, c.remaining
+         SELECT m.id, m.group_id, m.execution_id, m.stage_index, m.fan_in, m.quorum,
+                c.remaining, COALESCE(c.reached, false) AS reached,
+                COALESCE(c.late, false) AS late
            FROM c_members m LEFT JOIN c_groups c ON c.id = m.group_id",
         counters_sql("done", Count::Down)
     )
@@ -263,7 +301,8 @@ fn complete_sql(done: &str) -> String {
 /// [`complete_many`] in one statement meant to run on its own, outside any transaction,
 /// when it holds no group's last arrival: every item must hold its lease, every group
 /// must keep a counter (countdown or striped), and every counter it touches must stay
-/// above zero; otherwise it changes nothing and returns false, and the caller takes the
+/// above zero (a quorum group's `needed` too: this form neither fires one nor cancels a
+/// late completion); otherwise it changes nothing and returns false, and the caller takes the
 /// transactional path, which can fire. No BEGIN or COMMIT round trip: the hot counter
 /// rows are held for the statement and its commit only. Locks as everywhere: task rows,
 /// then stripes, then groups, each in id order.
@@ -308,7 +347,7 @@ macro_rules! unless_last {
              ORDER BY s.group_id, s.stripe
                FOR NO KEY UPDATE OF s
          ), groups_locked AS (
-            SELECT g.id, g.remaining, p.n FROM confluo.stage_group g
+            SELECT g.id, g.remaining, g.needed, p.n FROM confluo.stage_group g
               JOIN per_counter p ON g.id = p.group_id AND p.stripe IS NULL
              WHERE g.fan_in = 'countdown'
              ORDER BY g.id
@@ -321,13 +360,14 @@ macro_rules! unless_last {
                AND (SELECT count(*) FROM stripes_locked) + (SELECT count(*) FROM groups_locked)
                    = (SELECT count(*) FROM per_counter)
                AND (SELECT coalesce(bool_and(remaining > n), true) FROM stripes_locked)
-               AND (SELECT coalesce(bool_and(remaining > n), true) FROM groups_locked) AS ok
+               AND (SELECT coalesce(bool_and(remaining > n AND (needed IS NULL OR needed > n)), true)
+                      FROM groups_locked) AS ok
          ), stripes_counted AS (
             UPDATE confluo.group_stripe s SET remaining = s.remaining - l.n
               FROM stripes_locked l, go
              WHERE go.ok AND s.group_id = l.group_id AND s.stripe = l.stripe
          ), groups_counted AS (
-            UPDATE confluo.stage_group g SET remaining = g.remaining - l.n
+            UPDATE confluo.stage_group g SET remaining = g.remaining - l.n, needed = g.needed - l.n
               FROM groups_locked l, go
              WHERE go.ok AND g.id = l.id
          ), done AS (
@@ -408,6 +448,8 @@ pub(crate) struct FailedRow {
     /// What the statement left on the group's counter, where it moved the group row (as
     /// [`CompletedRow::remaining`]; `None` when the attempt will be retried).
     pub remaining: Option<i32>,
+    /// Whether this dead letter made its (countdown) group's quorum unreachable.
+    pub unreachable: bool,
 }
 
 /// Lease expiries a task may have before any start was reported, each given back
@@ -473,10 +515,11 @@ pub(crate) async fn fail(
              WHERE {} AND (NOT $5 OR t.lease_expires_at < now())
          RETURNING t.group_id, t.stage_index, t.item_index, t.status, t.run_at, t.attempt
          ), ended AS (
-            SELECT group_id, item_index FROM failed WHERE status <> 'pending'
+            SELECT group_id, item_index, status AS outcome FROM failed WHERE status <> 'pending'
          ) {}
          SELECT f.status, f.run_at, f.attempt, f.group_id, f.stage_index,
-                (SELECT c.remaining FROM c_groups c) AS remaining
+                (SELECT c.remaining FROM c_groups c) AS remaining,
+                COALESCE((SELECT c.unreachable FROM c_groups c), false) AS unreachable
            FROM failed f",
         held!("t", "$1", "$2"),
         counters_sql("ended", Count::Down)
@@ -512,7 +555,7 @@ pub(crate) async fn cancel_claimed(
                    -- The claim counted an attempt that never ran: a resume requeues it whole.
                    attempt = t.attempt - 1
              WHERE {} AND EXISTS (SELECT 1 FROM stopped)
-         RETURNING t.group_id, t.item_index
+         RETURNING t.group_id, t.item_index, 'cancelled'::text AS outcome
          ) {}
          SELECT count(*) FROM cancelled",
         held!("t", "$1", "$2"),
@@ -541,56 +584,117 @@ pub(crate) async fn count_open_members(
     .await?)
 }
 
-/// Decides whether a terminal arrival whose status this transaction already wrote was its
-/// group's last. `remaining` is what that statement left on the group's counter (the
-/// statements above count every counting group down as they write the status): zero is
-/// the last arrival, and only one statement can see it, because the counter's row lock
-/// serializes them. The re-counting strategies read the group again instead.
+/// What a counting statement left on an arrival's group: what [`decide`] reads.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Counted {
+    /// The group's counter after the statement, where it moved the group row.
+    pub remaining: Option<i32>,
+    /// The successes the group needs, for a quorum join.
+    pub quorum: Option<i32>,
+    /// The statement reached the group's quorum (countdown).
+    pub reached: bool,
+    /// The statement made the group's quorum unreachable (countdown).
+    pub unreachable: bool,
+}
+
+/// What a terminal arrival decides for its group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Nothing: the group waits for more arrivals, or had decided before.
+    Wait,
+    /// The group fires: its last arrival (join `all`), or the one that met its quorum.
+    Fire,
+    /// The group's quorum can no longer be met: its stage fails the execution.
+    Unreachable,
+}
+
+/// Decides what a terminal arrival whose status this transaction already wrote means for
+/// its group. `counted` is what that statement left on the group's counters (the
+/// statements above move every counting group's counters as they write the status): for
+/// join `all`, a counter at zero is the last arrival; for a quorum, the crossings of
+/// `needed` and `tolerable`; only one statement can see each, because the counter's row
+/// lock serializes them. The re-counting strategies read the group again instead (the
+/// row-lock one under the execution's lock); `completed` are the arrivals among them that
+/// completed, which a quorum group that has fired already cancels (late completions).
 pub(crate) async fn decide(
     strategy: FanInStrategy,
     conn: &mut PgConnection,
     execution_id: ExecutionId,
     group_id: GroupId,
-    remaining: Option<i32>,
-) -> Result<bool> {
+    counted: Counted,
+    completed: &[TaskId],
+) -> Result<Verdict> {
+    let fire = |yes: bool| if yes { Verdict::Fire } else { Verdict::Wait };
     match strategy {
-        FanInStrategy::Countdown | FanInStrategy::Striped => Ok(remaining == Some(0)),
+        FanInStrategy::Countdown | FanInStrategy::Striped => Ok(match counted.quorum {
+            Some(_) if counted.reached => Verdict::Fire,
+            Some(_) if counted.unreachable => Verdict::Unreachable,
+            Some(_) => Verdict::Wait,
+            None => fire(counted.remaining == Some(0)),
+        }),
         FanInStrategy::RowLock => {
             // The execution's lock serializes every completion of the execution until
             // commit, so the last committer sees every sibling terminal.
             locks::execution_for_update(conn, execution_id).await?;
+            if counted.quorum.is_some() {
+                return recounted(quorum::recount(conn, group_id, completed).await?);
+            }
             let (open, total) = count_open_members(conn, group_id).await?;
-            Ok(open == 0 && total > 0)
+            Ok(fire(open == 0 && total > 0))
         }
         #[cfg(feature = "naive-fan-in")]
         FanInStrategy::NaiveRecount => {
             // No lock: two members committing together each count the other as
             // unfinished, and nobody fires.
+            if counted.quorum.is_some() {
+                return recounted(quorum::recount(conn, group_id, completed).await?);
+            }
             let (open, total) = count_open_members(conn, group_id).await?;
-            Ok(open == 0 && total > 0)
+            Ok(fire(open == 0 && total > 0))
         }
     }
 }
 
-/// The groups whose last arrival is among `completed`, the members that one
+/// The verdict of [`quorum::recount`].
+fn recounted((reached, unreachable): (bool, bool)) -> Result<Verdict> {
+    Ok(if reached {
+        Verdict::Fire
+    } else if unreachable {
+        Verdict::Unreachable
+    } else {
+        Verdict::Wait
+    })
+}
+
+/// The groups that fire on arrivals among `completed`, the members that one
 /// [`complete_many`] completed (and counted down). Decided once per group, in group
 /// order.
 pub(crate) async fn last_arrivals(
     conn: &mut PgConnection,
     completed: &[CompletedRow],
 ) -> Result<Vec<GroupId>> {
-    let mut groups: BTreeMap<GroupId, &CompletedRow> = BTreeMap::new();
+    let mut groups: BTreeMap<GroupId, (&CompletedRow, Vec<TaskId>)> = BTreeMap::new();
     for row in completed {
-        groups.entry(row.group_id).or_insert(row);
+        groups
+            .entry(row.group_id)
+            .or_insert((row, Vec::new()))
+            .1
+            .push(row.id);
     }
-    let mut last = Vec::new();
-    for (group, row) in groups {
+    let mut fired = Vec::new();
+    for (group, (row, ids)) in groups {
         let strategy = row.fan_in.parse::<FanInStrategy>()?;
-        if decide(strategy, conn, row.execution_id, group, row.remaining).await? {
-            last.push(group);
+        let counted = Counted {
+            remaining: row.remaining,
+            quorum: row.quorum,
+            reached: row.reached,
+            unreachable: false,
+        };
+        if decide(strategy, conn, row.execution_id, group, counted, &ids).await? == Verdict::Fire {
+            fired.push(group);
         }
     }
-    Ok(last)
+    Ok(fired)
 }
 
 /// Sets the fired marker of a group that nobody else can hold (an empty map, entered and
@@ -694,6 +798,43 @@ pub(crate) async fn lock_and_mark_fired_many(
         .bind(groups)
         .fetch_all(conn)
         .await?)
+}
+
+/// Cancels the members of a quorum group that just fired and are still pending or
+/// running, and counts them down, in the firing transaction: they will pass nothing on
+/// (a running one's acknowledgement then matches nothing). Rows another transaction
+/// holds at this instant are skipped, not waited for: the firing transaction holds the
+/// group, and a completion that holds a member waits for the group (the one exception
+/// to [`locks`]' order, safe because it never waits). Such a member finishes: a
+/// completion is then late, and cancelled by [`complete_many`] or the re-count; a retry
+/// runs again, and its completion is late too. Returns how many it cancelled.
+pub(crate) async fn cancel_unjoined(conn: &mut PgConnection, group_id: GroupId) -> Result<u64> {
+    let sql = format!(
+        "WITH open AS (
+            SELECT id FROM confluo.task
+             WHERE group_id = $1 AND status IN ('pending', 'running')
+             ORDER BY id
+               FOR NO KEY UPDATE SKIP LOCKED
+         ), cancelled AS (
+            UPDATE confluo.task t
+               SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL,
+                   -- A running attempt acknowledged nothing: clearing its token makes
+                   -- whatever it sends later `LeaseLost`, as after a reclaim.
+                   lease_token = CASE WHEN t.status = 'running' THEN NULL ELSE t.lease_token END,
+                   errors = t.errors || jsonb_build_array(jsonb_build_object(
+                       'attempt', t.attempt, 'at', now(),
+                       'error', 'cancelled: its stage''s join fired without it'))
+              FROM open WHERE t.id = open.id AND t.status IN ('pending', 'running')
+         RETURNING t.group_id, t.item_index, 'cancelled'::text AS outcome
+         ) {}
+         SELECT count(*) FROM cancelled",
+        counters_sql("cancelled", Count::Down)
+    );
+    let cancelled: i64 = super::query_scalar(&sql)
+        .bind(group_id)
+        .fetch_one(conn)
+        .await?;
+    Ok(cancelled as u64)
 }
 
 /// Dependency fan-in (`store::joins`): counts the dependency `name` (passing on `passed`'s output; `None`: the execution

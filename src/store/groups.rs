@@ -121,10 +121,10 @@ pub(crate) async fn create_stage(
          g AS (
             INSERT INTO confluo.stage_group
                    (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
-                    stripes, stripe_run, input_stage)
+                    stripes, stripe_run, input_stage, quorum, needed, tolerable)
             SELECT $1, $2, $3, $4, $5, k.n,
                    CASE $15 WHEN 'countdown' THEN k.n WHEN 'striped' THEN least(k.n, k.k) END,
-                   $15, k.k, $19, $20
+                   $15, k.k, $19, $20, $26::int, $26::int, k.n - $26::int
               FROM k
             RETURNING width
          ),
@@ -203,6 +203,7 @@ pub(crate) async fn create_stage(
         .bind(input)
         .bind(never)
         .bind(child.then_some(crate::definition::CHILD_HANDLER))
+        .bind(quorum(stage))
         .fetch_one(conn)
         .await?)
 }
@@ -284,9 +285,10 @@ pub(crate) async fn create_first_stages(
         "WITH g AS (
             INSERT INTO confluo.stage_group
                    (id, execution_id, stage_index, stage_name, kind, width, remaining, fan_in,
-                    stripes, stripe_run, input_stage)
+                    stripes, stripe_run, input_stage, quorum, needed, tolerable)
             SELECT gen_random_uuid(), e.id, 0, $2, $3, cardinality($4::text[]),
-                   CASE WHEN $5 = 'countdown' THEN cardinality($4::text[]) END, $5, 1, $15, -1
+                   CASE WHEN $5 = 'countdown' THEN cardinality($4::text[]) END, $5, 1, $15, -1,
+                   $16::int, $16::int, cardinality($4::text[]) - $16::int
               FROM unnest($1::uuid[]) AS e(id)
             RETURNING id, execution_id
          ), t AS (
@@ -315,9 +317,18 @@ pub(crate) async fn create_first_stages(
     .bind(stage.attempt_timeout().as_millis() as i64)
     .bind(crate::store::TASKS_CHANNEL)
     .bind(STRIPE_RUN)
+    .bind(quorum(stage))
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// The successes a stage's group needs to fire, for a quorum join (`None`: all).
+fn quorum(stage: &Stage) -> Option<i32> {
+    stage
+        .join_rule()
+        .quorum()
+        .map(|k| i32::try_from(k).unwrap_or(i32::MAX))
 }
 
 /// The output of a group as the next stage sees it: a step's own output (a signal wait's:

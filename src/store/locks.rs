@@ -40,6 +40,11 @@
 //! holding a child's task and its parent's could take the child first and wait for the
 //! parent a reprocess holds while the reprocess waits for the child.
 //!
+//! A quorum group that fires ([`Join`](crate::Join)) cancels its members still pending or
+//! running in the firing transaction, which holds the group: tasks after a group. It
+//! asks for them `SKIP LOCKED`, so it never waits for one, and closes no cycle; the
+//! members it skips finish on their own ([`fan_in::cancel_unjoined`](super::fan_in)).
+//!
 //! Join rows (`confluo.stage_join`, dependency fan-in) are written only by a transaction
 //! that holds their execution's lock, as it finishes a dependency: they need no place of
 //! their own in the order.

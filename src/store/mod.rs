@@ -35,6 +35,7 @@ pub(crate) mod members;
 pub(crate) mod notifications;
 pub(crate) mod outputs;
 pub(crate) mod plans;
+pub(crate) mod quorum;
 pub(crate) mod signals;
 mod statement;
 pub(crate) mod tasks;
