@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::TestDb;
-use confluo::{ExecutionStatus, FanInStrategy, Outcome, RetryPolicy, Stage, Workflow};
+use confluo::{ExecutionStatus, FanInStrategy, Join, Outcome, RetryPolicy, Stage, Workflow};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -43,6 +43,10 @@ enum Shape {
     /// step waiting for both it and the stage before; it returns one element per
     /// dependency. Numbered: `z`, then the join.
     Join,
+    /// A parallel block of `n` joined `at_least(k)`, `k` its members that do not fail for
+    /// good (so what it passes on does not depend on who finishes first), or 1 when all
+    /// of them fail (so the quorum is out of reach, and the execution fails).
+    Quorum(u8),
 }
 
 /// The child workflow of [`Shape::Children`], and its one step.
@@ -85,7 +89,31 @@ impl Case {
         let retry =
             RetryPolicy::exponential(3).backoff(Duration::from_millis(1), Duration::from_millis(5));
         let mut wf = Workflow::new(name, 1).stage(Stage::step("s0").retry(retry));
+        // Stages as the plan numbers them (see `expected`).
+        let mut index = 1;
         for (i, shape) in self.stages.iter().enumerate() {
+            let at = index;
+            index += match shape {
+                Shape::Branch => 3,
+                Shape::Join => 2,
+                _ => 1,
+            };
+            if let Shape::Quorum(n) = *shape {
+                let live = (0..n).filter(|b| !self.dead(at, u32::from(*b))).count() as u32;
+                let stage = Stage::parallel(
+                    format!("s{}", i + 1),
+                    (0..n).map(|b| format!("s{}b{b}", i + 1)),
+                )
+                .join(Join::AtLeast(live.max(1)))
+                .retry(retry);
+                // A quorum cannot be striped: a striped case's default gives way.
+                wf = wf.stage(if self.strategy == FanInStrategy::Striped {
+                    stage
+                } else {
+                    stage.fan_in(self.strategy)
+                });
+                continue;
+            }
             if *shape == Shape::Join {
                 let (z, before) = (format!("s{}z", i + 1), format!("s{i}"));
                 wf = wf
@@ -119,7 +147,7 @@ impl Case {
                         .into()
                 }
                 Shape::Children => Stage::map_workflow(format!("s{}", i + 1), CHILD),
-                Shape::Join => unreachable!("placed above"),
+                Shape::Join | Shape::Quorum(_) => unreachable!("placed above"),
                 Shape::Sleep => Stage::sleep(format!("s{}", i + 1), Duration::from_millis(3)),
                 Shape::Signal => Stage::signal(format!("s{}", i + 1))
                     .within(Duration::from_millis(roll(self.seed, ("timeout", i)) / 4))
@@ -198,10 +226,13 @@ impl Case {
                     .collect();
                 model.last = json!(model.elements);
             }
-            Shape::Parallel(n) => {
+            Shape::Parallel(n) | Shape::Quorum(n) => {
                 let ok: Vec<u8> = (0..n)
                     .filter(|b| !self.dead(index, u32::from(*b)))
                     .collect();
+                if ok.is_empty() && matches!(shape, Shape::Quorum(_)) {
+                    return false;
+                }
                 model.elements = ok.iter().map(|b| json!(b)).collect();
                 model.last = json!(ok
                     .iter()
@@ -299,6 +330,7 @@ fn case() -> impl Strategy<Value = Case> {
     let shape = prop_oneof![
         Just(Shape::Step),
         (1u8..=4).prop_map(Shape::Parallel),
+        (1u8..=4).prop_map(Shape::Quorum),
         Just(Shape::Map),
         Just(Shape::Branch),
         Just(Shape::Sleep),
@@ -452,7 +484,11 @@ async fn run(case: &Case) -> Result<(), String> {
                         engine.fail(&task, "injected: flaky", false).await.unwrap()
                     } else {
                         let first = engine.complete(&task, out.clone()).await.unwrap();
-                        if roll(case.seed, ("dup", member)) < case.duplicate_pct {
+                        // (A member a quorum cancelled as it ran has lost its lease:
+                        // there is nothing to replay.)
+                        if first != Outcome::LeaseLost
+                            && roll(case.seed, ("dup", member)) < case.duplicate_pct
+                        {
                             let again = engine.complete(&task, out.clone()).await.unwrap();
                             if again != Outcome::AlreadyRecorded {
                                 violations
@@ -526,12 +562,15 @@ async fn run(case: &Case) -> Result<(), String> {
                 count(*) FILTER (WHERE g.width > 0 AND x.status = 'completed'
                                    AND g.fired_at IS NULL),
                 count(*) FILTER (WHERE (g.fan_in = 'countdown' AND g.remaining <> o.open)
+                                    OR (g.fan_in = 'countdown' AND g.quorum IS NOT NULL
+                                        AND g.needed <> g.quorum - o.completed)
                                     OR (g.fan_in = 'striped' AND g.remaining <>
                                         (SELECT count(*) FROM confluo.group_stripe s
                                           WHERE s.group_id = g.id AND s.remaining > 0)))
            FROM confluo.stage_group g
            JOIN confluo.execution x ON x.id = g.execution_id
-           JOIN LATERAL (SELECT count(*) FILTER (WHERE t.status IN ('pending', 'running')) AS open
+           JOIN LATERAL (SELECT count(*) FILTER (WHERE t.status IN ('pending', 'running')) AS open,
+                                count(*) FILTER (WHERE t.status = 'completed') AS completed
                            FROM confluo.task t WHERE t.group_id = g.id) o ON true
           WHERE x.id = $1 OR x.parent_execution = $1",
     )

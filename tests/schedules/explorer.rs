@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use confluo::{
-    ClaimedTask, Engine, ExecutionId, FanInStrategy, Outcome, SignalOutcome, Stage, Workflow,
+    ClaimedTask, Engine, ExecutionId, FanInStrategy, Join, Outcome, SignalOutcome, Stage, Workflow,
 };
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -98,17 +98,20 @@ pub struct Explorer {
     workflow: String,
     /// The wait workflow (`before → approval wait → after`) rather than the map's.
     wait: bool,
+    /// The map has a quorum join: a member it cancelled as it fired may be told so.
+    quorum: bool,
 }
 
 impl Explorer {
     /// One finisher per entry of `ends` against the database of `options`, for groups
-    /// decided by `strategy`: members of a map, or, when `ends` arrive at a signal wait
+    /// decided by `strategy`: members of a map joined by `join`, or, when `ends` arrive at a signal wait
     /// (all of them must), arrivals at a wait that times out at once.
     pub async fn new(
         pool: PgPool,
         options: &PgConnectOptions,
         strategy: FanInStrategy,
         ends: &[End],
+        join: Join,
     ) -> Explorer {
         let wait = ends.iter().any(|e| e.waits());
         assert!(
@@ -130,9 +133,12 @@ impl Explorer {
                 .stage(Stage::step("after").fan_in(strategy));
             (workflow, wf)
         } else {
-            let workflow = format!("explore-{strategy}");
+            let workflow = format!(
+                "explore-{strategy}-{}",
+                join.to_string().replace(['(', ')'], "")
+            );
             let wf = Workflow::new(&workflow, 1)
-                .stage(Stage::map("member").fan_in(strategy))
+                .stage(Stage::map("member").fan_in(strategy).join(join))
                 .step("after");
             (workflow, wf)
         };
@@ -156,6 +162,7 @@ impl Explorer {
             finishers,
             workflow,
             wait,
+            quorum: join.quorum().is_some(),
         }
     }
 
@@ -254,6 +261,7 @@ impl Explorer {
                     execution,
                     self.workflow.clone(),
                     i,
+                    self.quorum,
                 ))
             })
             .collect();
@@ -389,9 +397,12 @@ async fn arrive(
     execution: ExecutionId,
     workflow: String,
     i: usize,
+    quorum: bool,
 ) -> bool {
     let told = |outcome: Outcome| match outcome {
         Outcome::Completed { fired } | Outcome::DeadLettered { fired } => fired,
+        // Cancelled by the quorum that fired before it (told when it ends), or late.
+        Outcome::LeaseLost | Outcome::Cancelled if quorum => false,
         other => panic!("unexpected outcome {other:?}"),
     };
     match end {

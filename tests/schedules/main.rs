@@ -14,16 +14,25 @@ mod explorer;
 mod gate;
 
 use common::TestDb;
-use confluo::FanInStrategy;
+use confluo::{FanInStrategy, Join};
 use explorer::{End, Explorer, Summary};
 
 /// Refuses to explore more schedules than this (a guard against an explosion).
 const LIMIT: usize = 20_000;
 
 async fn explore(strategy: FanInStrategy, ends: &[End], sample: Option<usize>) -> Summary {
+    explore_join(strategy, ends, sample, Join::All).await
+}
+
+async fn explore_join(
+    strategy: FanInStrategy,
+    ends: &[End],
+    sample: Option<usize>,
+    join: Join,
+) -> Summary {
     let k = ends.len();
     let db = TestDb::new(4).await;
-    let explorer = Explorer::new(db.pool.clone(), &db.options(), strategy, ends).await;
+    let explorer = Explorer::new(db.pool.clone(), &db.options(), strategy, ends, join).await;
     let summary = match sample {
         None => explorer.exhaustive(LIMIT).await,
         Some(n) => explorer.random(n, 0x5eed + k as u64).await,
@@ -32,6 +41,10 @@ async fn explore(strategy: FanInStrategy, ends: &[End], sample: Option<usize>) -
         e if e.contains(&End::DeadLetter) => "+dead".to_owned(),
         e if e.iter().any(|e| *e != End::Complete) => format!(" {e:?}"),
         _ => String::new(),
+    };
+    let mixed = match join {
+        Join::All => mixed,
+        join => format!("{mixed} {join}"),
     };
     println!(
         "{strategy:<10} K={k}{mixed:<5} {:<6} schedules {:>5}  exactly once {:>5}  stalls {:>4}  double fires {:>3}",
@@ -98,6 +111,44 @@ async fn striped_dispatches_exactly_once_on_every_schedule() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn row_lock_dispatches_exactly_once_on_every_schedule() {
     exactly_once_on_every_schedule(FanInStrategy::RowLock).await;
+}
+
+/// Quorum joins (`any`, `at_least(2)`): members completing together, one dead-lettered
+/// within the tolerance, must fire the map once on every schedule (K = 2), or on random
+/// ones (K = 3); the members still open when it fires are cancelled, and their
+/// finishers told so.
+async fn quorums_exactly_once_on_every_schedule(strategy: FanInStrategy) {
+    use End::{Complete as C, DeadLetter as D};
+    // Every schedule of two arrivals; of three (the firing transaction's cancel adds
+    // statements, and tens of thousands of orders), a sample.
+    let cases: [(&[End], Join, Option<usize>); 5] = [
+        (&[C, C], Join::Any, None),
+        (&[C, D], Join::Any, None),
+        (&[C, C, C], Join::Any, Some(60)),
+        (&[C, C, C], Join::AtLeast(2), Some(60)),
+        (&[C, D, C], Join::AtLeast(2), Some(60)),
+    ];
+    let quick = std::env::var_os("CONFLUO_TEST_QUICK").is_some();
+    for (ends, join, sample) in cases {
+        if quick && ends.len() > 2 {
+            continue;
+        }
+        let summary = explore_join(strategy, ends, sample, join).await;
+        assert_exactly_once(
+            &format!("{strategy} {join} with K={}", ends.len()),
+            &summary,
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn countdown_quorums_dispatch_exactly_once_on_every_schedule() {
+    quorums_exactly_once_on_every_schedule(FanInStrategy::Countdown).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_lock_quorums_dispatch_exactly_once_on_every_schedule() {
+    quorums_exactly_once_on_every_schedule(FanInStrategy::RowLock).await;
 }
 
 /// A signal wait decided by its signals, its timeout and its entry: every schedule
