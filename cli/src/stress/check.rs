@@ -53,6 +53,28 @@ pub async fn all(pool: &PgPool, width: usize) -> anyhow::Result<Vec<Check>> {
         .await?,
     );
     add(
+        "every quorum map fired with its quorum completed, or failed its execution out of reach",
+        rows(
+            pool,
+            "SELECT g.execution_id || ': ' || m.completed || ' completed, ' || m.dead
+                    || ' dead of ' || g.width || ' for a quorum of ' || g.quorum
+                    || CASE WHEN g.fired_at IS NULL THEN ', unfired' ELSE ', fired' END
+                    || ', execution ' || e.status
+               FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
+               JOIN LATERAL (
+                    SELECT count(*) FILTER (WHERE t.status = 'completed') AS completed,
+                           count(*) FILTER (WHERE t.status = 'dead') AS dead
+                      FROM confluo.task_all t WHERE t.group_id = g.id) m ON true
+              WHERE g.quorum IS NOT NULL
+                AND CASE WHEN g.fired_at IS NOT NULL THEN m.completed < g.quorum
+                         WHEN e.error LIKE '%can no longer fire%'
+                         THEN m.dead <= g.width - g.quorum
+                         ELSE e.status = 'completed' END
+              LIMIT 5",
+        )
+        .await?,
+    );
+    add(
         "every stage of a completed execution dispatched once, and fired",
         rows(
             pool,

@@ -5,7 +5,7 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
-use confluo::{ExecutionId, RetryPolicy, Stage, TaskError, WorkerBuilder, Workflow};
+use confluo::{ExecutionId, Join, RetryPolicy, Stage, TaskError, WorkerBuilder, Workflow};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -25,8 +25,13 @@ pub const MEMBER_TIMEOUT: Duration = Duration::from_secs(1);
 /// (a map of child workflows, [`audit_workflow`], one per request).
 ///
 /// Stages as numbered: split 0, census 1, member 2, checks 3, parity 4, even 5, odd 6,
-/// rest 7, approval 8, total 9, audits 10.
-pub fn workflow() -> Workflow {
+/// rest 7, approval 8, total 9, audits 10. With a `quorum`, the map joins `at_least`
+/// that many members (0: all).
+pub fn workflow(quorum: u32) -> Workflow {
+    let join = match quorum {
+        0 => Join::All,
+        k => Join::AtLeast(k),
+    };
     let retry =
         RetryPolicy::exponential(3).backoff(Duration::from_millis(20), Duration::from_millis(200));
     Workflow::new(WORKFLOW, 1)
@@ -36,7 +41,8 @@ pub fn workflow() -> Workflow {
             Stage::map("member")
                 .after(["split"])
                 .retry(retry)
-                .timeout(MEMBER_TIMEOUT),
+                .timeout(MEMBER_TIMEOUT)
+                .join(join),
         )
         .stage(Stage::parallel("checks", ["left", "right"]).retry(retry))
         .stage(

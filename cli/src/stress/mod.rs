@@ -29,6 +29,11 @@ pub struct Args {
     /// Width of each execution's map.
     #[arg(long, default_value_t = 1_000)]
     width: usize,
+    /// The map fires once this many of its members completed (`Join::AtLeast`; with
+    /// `1`, as `Join::Any`), cancelling the rest, and fails its execution once that is
+    /// out of reach; 0: once every member is terminal (`Join::All`).
+    #[arg(long, default_value_t = 0)]
+    quorum: u32,
     /// Worker tasks in this process, each with a pool of its own (ignored with --processes).
     #[arg(long, default_value_t = 4)]
     workers: usize,
@@ -235,7 +240,11 @@ async fn pool(
 }
 
 /// Drops and creates the run's database, migrates it, and creates the harness's tables.
-async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result<PgConnectOptions> {
+async fn fresh_database(
+    server: &PgConnectOptions,
+    name: &str,
+    quorum: u32,
+) -> anyhow::Result<PgConnectOptions> {
     let options = confluo_testkit::fresh_database(server, name).await?;
     let engine = Engine::new(pool(&options, 2, "confluo-stress").await?);
     engine.migrate().await?;
@@ -252,7 +261,7 @@ async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result
     .execute(engine.pool())
     .await?;
     engine.register(&handlers::audit_workflow()).await?;
-    engine.register(&handlers::workflow()).await?;
+    engine.register(&handlers::workflow(quorum)).await?;
     Ok(options)
 }
 
@@ -261,7 +270,15 @@ async fn fresh_database(server: &PgConnectOptions, name: &str) -> anyhow::Result
 pub async fn run(server: PgConnectOptions, url: &str, mut args: Args) -> anyhow::Result<ExitCode> {
     args.apply_all_faults();
     handlers::silence_injected_panics();
-    let options = fresh_database(&server, &args.database).await?;
+    if args.quorum as usize > args.width {
+        anyhow::bail!(
+            "--quorum {} asks for more successes than a map of --width {} has members: every \
+             execution would fail; give at most the width",
+            args.quorum,
+            args.width
+        );
+    }
+    let options = fresh_database(&server, &args.database, args.quorum).await?;
     let main = pool(&options, 6, "confluo-stress").await?;
     let engine = Engine::builder(main.clone()).fan_in(args.strategy).build();
     let ctx = Context {
