@@ -270,6 +270,7 @@ impl Engine {
                     width: s.width as u32,
                     remaining: s.remaining.map_or(s.pending + s.running, i64::from) as u32,
                     fan_in: s.fan_in.parse().ok(),
+                    quorum: s.quorum.map(|k| k as u32),
                     pending: s.pending as u32,
                     running: s.running as u32,
                     completed: s.completed as u32,

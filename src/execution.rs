@@ -144,6 +144,9 @@ pub struct StageProgress {
     /// The fan-in strategy the group was created with (`None` if this build does not
     /// know it).
     pub fan_in: Option<crate::FanInStrategy>,
+    /// For a stage joined `any` or `at_least(k)` ([`Join`](crate::Join)): the completed
+    /// members its group needs to fire (1 for `any`); `None` for a join of all.
+    pub quorum: Option<u32>,
     /// Members waiting to be claimed (including retries in backoff).
     pub pending: u32,
     /// Members running now.

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use confluo::{Engine, Execution, ExecutionId, ExecutionStatus, ListFilter};
+use confluo::{Engine, Execution, ExecutionId, ExecutionStatus, ListFilter, StageProgress};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -162,6 +162,9 @@ pub fn timeline(e: &Execution) -> String {
                 .map_or("otherwise".to_owned(), |a| format!("arm {a:?}"));
             out += &format!("      took {arm} (selected value: {})\n", choice.value);
         }
+        if let Some(k) = s.quorum {
+            out += &format!("      {}\n", quorum_line(s, k));
+        }
         match (s.kind.as_str(), s.wakes_at) {
             ("signal", Some(at)) => {
                 out += &format!("      waits for signal {:?} until {at}\n", s.name)
@@ -190,6 +193,26 @@ pub fn timeline(e: &Execution) -> String {
         }
     }
     out
+}
+
+/// Where a stage joined `any` or `at_least(k)` stands: fired, waiting, or out of reach.
+fn quorum_line(s: &StageProgress, k: u32) -> String {
+    let join = if k == 1 {
+        "any".to_owned()
+    } else {
+        format!("at_least({k})")
+    };
+    let state = if s.fired_at.is_some() {
+        format!("fired with {} completed", s.completed)
+    } else if s.dead > s.width.saturating_sub(k) {
+        format!("out of reach: {} dead-lettered", s.dead)
+    } else {
+        format!(
+            "waits for {} more to complete",
+            k.saturating_sub(s.completed)
+        )
+    };
+    format!("joins {join} of {}: {state}", s.width)
 }
 
 pub async fn list(engine: Engine, args: ListArgs) -> anyhow::Result<ExitCode> {

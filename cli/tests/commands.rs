@@ -3,7 +3,7 @@
 
 use std::process::{Command, Output};
 
-use confluo::{Engine, Stage, Workflow};
+use confluo::{Engine, Join, Stage, Workflow};
 use sqlx::ConnectOptions;
 
 fn server_url() -> String {
@@ -178,6 +178,29 @@ async fn list_inspect_cancel_and_doctor() {
         "{}",
         text(&bad_age)
     );
+
+    // A stage's join rule, and where it stands.
+    engine
+        .register(
+            &Workflow::new("quotes", 1)
+                .stage(Stage::parallel("ask", ["a", "b", "c"]).join(Join::Any))
+                .step("buy"),
+        )
+        .await
+        .unwrap();
+    let quote = engine
+        .start("quotes", &serde_json::json!(null))
+        .await
+        .unwrap();
+    let inspected = confluo(&url, &["inspect", &quote.to_string()]);
+    assert!(
+        text(&inspected).contains("joins any of 3: waits for 1 more to complete"),
+        "{}",
+        text(&inspected)
+    );
+    let inspected = confluo(&url, &["inspect", &quote.to_string(), "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&inspected.stdout).expect("JSON");
+    assert_eq!(value["stages"][0]["quorum"], 1, "{value}");
 
     let doctor = confluo(&url, &["doctor"]);
     assert!(doctor.status.success(), "{}", text(&doctor));

@@ -384,6 +384,7 @@ pub(crate) struct StageRow {
     pub width: i32,
     pub remaining: Option<i32>,
     pub fan_in: String,
+    pub quorum: Option<i32>,
     pub fired_at: Option<DateTime<Utc>>,
     pub entered_at: DateTime<Utc>,
     pub branch: Option<Json<crate::definition::BranchChoice>>,
@@ -406,7 +407,7 @@ where
                     WHEN 'striped' THEN (SELECT sum(s.remaining)::int FROM confluo.group_stripe s
                                           WHERE s.group_id = g.id)
                     ELSE g.remaining END AS remaining,
-                g.fan_in, g.fired_at, g.created_at AS entered_at, g.branch,
+                g.fan_in, g.quorum, g.fired_at, g.created_at AS entered_at, g.branch,
                 CASE WHEN g.kind IN ('sleep', 'signal') THEN (
                     SELECT t.run_at FROM confluo.task_all t
                      WHERE t.group_id = g.id AND t.status = 'pending'
