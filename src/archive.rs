@@ -45,8 +45,8 @@ impl Engine {
     /// [`Error::Database`](crate::Error::Database); what was moved before stays moved.
     ///
     /// # Cancel safety
-    /// Each batch is one statement: dropped, the batches moved so far stay moved, the one
-    /// in progress is not (its tasks stay in the hot table).
+    /// Each batch is one transaction: dropped, the batches moved so far stay moved, the
+    /// one in progress is not (its tasks stay in the hot table).
     pub async fn archive(&self, after: Duration, batch: usize) -> Result<Archived> {
         let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
         self.archive_batches(after, batch, None).await

@@ -160,7 +160,8 @@ pub struct Reprocessed {
     /// Whether the execution had failed and is running again.
     pub resumed: bool,
     /// Every task put back in the queue: the reprocessed one, and with a resume the other
-    /// dead and cancelled members of the stage that failed.
+    /// dead and cancelled members of the stage that failed; less those that a quorum
+    /// group fired by the resume cancelled at once.
     pub requeued: Vec<TaskId>,
     /// The child executions started again for requeued members of a map of child
     /// workflows whose child had failed, been cancelled or timed out (each member waits
@@ -228,9 +229,15 @@ impl Engine {
     /// parallel stage after it reads its input when claimed, so if it has not been claimed
     /// yet it sees the new result; a map after it got its members' inputs when entered.
     ///
-    /// Resuming an execution also fires, in the same transaction, its groups whose members
-    /// all finished while it was failed (a stage beside the failed one, waited for by the
-    /// same join: [`Stage::after`](crate::Stage::after)).
+    /// Resuming an execution also fires, in the same transaction, its groups that reached
+    /// their join while it was failed: a stage beside the failed one whose members all
+    /// finished (waited for by the same join: [`Stage::after`](crate::Stage::after)), and
+    /// a quorum group ([`Join::Any`](crate::Join), [`Join::AtLeast`](crate::Join)) whose
+    /// quorum a member met by completing then. Such a firing cancels what is left of its
+    /// group, the members just requeued included (the reprocessed task too, if it was one
+    /// of them: it is then not in [`Reprocessed::requeued`], and
+    /// [`Reprocessed::group_fired`] is true): nothing of a group runs once its join went
+    /// on.
     ///
     /// A requeued member of a map of child workflows whose child failed, was cancelled or
     /// timed out gets a new child (same workflow and version, the member's input), started
@@ -325,16 +332,21 @@ impl Engine {
         if resume && deadline_passed {
             return Err(Error::DeadlinePassed { execution });
         }
-        let ids: Vec<TaskId> = requeued.iter().map(|r| r.id).collect();
-        let restarted_children = crate::children::restart(self, &mut tx, &ids).await?;
+        let mut ids: Vec<TaskId> = requeued.iter().map(|r| r.id).collect();
         let resumed = resume && executions::resume(&mut tx, execution).await?;
         if resumed {
-            // A stage beside the one that failed (another dependency of a join) may have
-            // finished while the execution was stopped, firing nothing: fire it now, or
-            // what waits for it would wait forever.
-            for (group, stage) in dead_letters::settled_unfired(&mut tx, execution).await? {
+            // A group may have reached its join while the execution was stopped, firing
+            // nothing: a stage beside the one that failed (another dependency of a join)
+            // that finished, or a quorum met by a member that completed. Fire it now, or
+            // what waits for it would wait forever. A quorum group's firing cancels its
+            // members requeued above: none of them runs once its join went on.
+            for (group, stage) in dead_letters::joined_unfired(&mut tx, execution).await? {
                 crate::dispatch::fire(self, &mut tx, execution, group, stage).await?;
             }
+            ids = dead_letters::still_queued(&mut tx, &ids).await?;
+        }
+        let restarted_children = crate::children::restart(self, &mut tx, &ids).await?;
+        if resumed {
             // Entering what follows such a stage can fail the execution again, cancelling
             // what was just requeued, the dead letter included: roll it all back instead.
             let after = executions::get(&mut *tx, execution)
@@ -355,7 +367,7 @@ impl Engine {
             task_id = %task,
             execution_id = %execution,
             resumed,
-            requeued = requeued.len(),
+            requeued = ids.len(),
             restarted_children = restarted_children.len(),
             group_fired,
             "dead letter reprocessed"

@@ -212,7 +212,10 @@ pub struct MemberFailure {
     /// The branch name, for a parallel block.
     #[serde(default)]
     pub branch: Option<String>,
-    /// `dead` (or `cancelled`).
+    /// `dead`, or `cancelled`: its execution stopped, or its stage's join rule
+    /// ([`Join::Any`](crate::Join), [`Join::AtLeast`](crate::Join)) fired without it. A
+    /// member still running as such a join fires is listed as `cancelled` at once: it
+    /// ends so whatever its attempt does, and its output is never passed on.
     pub status: String,
     /// Attempts made.
     pub attempts: u32,

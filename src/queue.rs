@@ -193,22 +193,42 @@ impl Engine {
 
     /// Gives claimed tasks back without counting their attempts, in one statement; a task
     /// whose execution has stopped meanwhile is cancelled instead, and counted towards
-    /// its group (as a task of a stopped execution never runs). Returns how many went
-    /// back to the queue.
+    /// its group (as a task of a stopped execution never runs), and so is a member of a
+    /// quorum group that fired without it. Returns how many went back to the queue.
     pub(crate) async fn release_many(&self, held: &[ClaimedTask]) -> Result<usize> {
-        if held.is_empty() {
-            return Ok(0);
+        // A quorum member goes back only under its execution's lock, which every firing
+        // holds: one at a time ([`cancel_claimed`](Self::cancel_claimed) first).
+        let (quorum, plain): (Vec<&ClaimedTask>, Vec<&ClaimedTask>) =
+            held.iter().partition(|t| self.in_quorum_stage(t));
+        let mut back = 0;
+        for task in quorum {
+            back += usize::from(
+                retry_conflicts(|| self.give_back_once(task)).await? == GivenBack::Released,
+            );
         }
-        let ids: Vec<TaskId> = held.iter().map(|t| t.id).collect();
-        let tokens: Vec<LeaseToken> = held.iter().map(|t| t.lease).collect();
+        if plain.is_empty() {
+            return Ok(back);
+        }
+        let ids: Vec<TaskId> = plain.iter().map(|t| t.id).collect();
+        let tokens: Vec<LeaseToken> = plain.iter().map(|t| t.lease).collect();
         let released = {
             let mut conn = self.pool().acquire().await?;
             tasks::release_many(&mut conn, &ids, &tokens).await?
         };
-        for task in held.iter().filter(|t| !released.contains(&t.id)) {
+        for task in plain.iter().filter(|t| !released.contains(&t.id)) {
             self.cancel_claimed(task).await?;
         }
-        Ok(released.len())
+        Ok(back + released.len())
+    }
+
+    /// Whether the task's stage has a quorum join (or its definition is not at hand: then
+    /// it takes the careful path).
+    fn in_quorum_stage(&self, task: &ClaimedTask) -> bool {
+        self.cached_definition(&task.workflow, task.workflow_version)
+            .is_none_or(|w| {
+                w.stage_at(task.stage_index)
+                    .is_none_or(|s| s.join_rule().quorum().is_some())
+            })
     }
 
     /// The input of a claimed task: its map element, or the stage input read by reference
@@ -448,9 +468,15 @@ impl Engine {
             .stage_at(a.stage_index)
             .ok_or_else(|| beyond_stages(a.id, a.stage_index, &workflow))?;
         let fails_execution = stage.fails_execution_on_member_failure();
-        if fails_execution || (a.fan_in.counts() && (permanent || a.attempt >= a.max_attempts)) {
+        let quorum = stage.join_rule().quorum().is_some();
+        if fails_execution
+            || quorum
+            || (a.fan_in.counts() && (permanent || a.attempt >= a.max_attempts))
+        {
             // A dead letter fails the execution, or counts its group down and may fire
-            // it: the execution first (`store::locks`).
+            // it: the execution first (`store::locks`). A quorum member's failure asks
+            // whether its group fired without it (then it is cancelled, not retried):
+            // holding the execution, it sees every firing that committed.
             locks::execution(&mut tx, a.execution_id).await?;
         }
         let row = fan_in::fail(&mut tx, a.id, a.lease, error, permanent, only_if_expired).await?;
@@ -521,36 +547,44 @@ impl Engine {
         Ok(outcome)
     }
 
-    /// Gives a claimed task back without counting the attempt (e.g. at shutdown).
-    /// Returns false if the attempt no longer held it.
+    /// Gives a claimed task back without counting the attempt (e.g. at shutdown); a task
+    /// that must not run is cancelled instead and counted towards its group: its
+    /// execution has stopped, or it is a member of a quorum group
+    /// ([`Join`](crate::Join)) that fired without it. Returns false if the attempt no
+    /// longer held it.
     ///
     /// # Errors
     /// [`Error::Database`].
     ///
     /// # Cancel safety
-    /// One statement: dropped, the task is given back or stays claimed; if it stays, it
-    /// comes back when its lease expires, with the attempt counted.
+    /// One transaction: dropped before its commit, the task stays claimed and comes back
+    /// when its lease expires, with the attempt counted.
     pub async fn release(&self, task: &ClaimedTask) -> Result<bool> {
-        let mut conn = self.pool().acquire().await?;
-        tasks::release(&mut conn, task.id, task.lease).await
+        Ok(retry_conflicts(|| self.give_back_once(task)).await? != GivenBack::Lost)
     }
 
-    /// Cancels a claimed task whose execution has stopped; it counts towards its group.
-    /// Gives it back instead if the execution is running again (resumed).
+    /// Cancels a claimed task whose execution has stopped (or whose quorum group fired
+    /// without it); it counts towards its group. Gives it back instead if the execution
+    /// is running again (resumed) and its group still waits. True if it cancelled it.
     pub(crate) async fn cancel_claimed(&self, task: &ClaimedTask) -> Result<bool> {
-        retry_conflicts(|| self.cancel_claimed_once(task)).await
+        Ok(retry_conflicts(|| self.give_back_once(task)).await? == GivenBack::Cancelled)
     }
 
-    async fn cancel_claimed_once(&self, task: &ClaimedTask) -> Result<bool> {
+    /// Cancels the claimed task if it must not run, else gives it back uncounted, in one
+    /// transaction that holds its execution's lock first (`store::locks`): holding it, a
+    /// firing of its group has committed or has not begun, and a resume too.
+    async fn give_back_once(&self, task: &ClaimedTask) -> Result<GivenBack> {
         let mut tx = crate::store::begin(self.pool()).await?;
-        if !fan_in::cancel_claimed(&mut tx, task.id, task.lease).await? {
-            drop(tx);
-            // The execution was resumed meanwhile (or the lease is lost): give it back.
-            self.release(task).await?;
-            return Ok(false);
-        }
+        locks::execution(&mut tx, task.execution_id).await?;
+        let given = if fan_in::cancel_claimed(&mut tx, task.id, task.lease).await? {
+            GivenBack::Cancelled
+        } else if tasks::release(&mut tx, task.id, task.lease).await? {
+            GivenBack::Released
+        } else {
+            GivenBack::Lost
+        };
         tx.commit().await?;
-        Ok(true)
+        Ok(given)
     }
 
     /// Why a guarded transition matched nothing.
@@ -564,6 +598,17 @@ impl Engine {
             Some(_) => Ok(Outcome::LeaseLost),
         }
     }
+}
+
+/// What giving a claimed task back did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GivenBack {
+    /// Cancelled and counted: it must not run.
+    Cancelled,
+    /// Back in the queue, its attempt uncounted.
+    Released,
+    /// The attempt no longer held it.
+    Lost,
 }
 
 /// The fields of an attempt that recording its failure needs.

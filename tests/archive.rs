@@ -287,6 +287,54 @@ async fn archivers_racing_each_other_and_a_reprocess_move_each_execution_once() 
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn archivers_never_move_a_task_a_reprocess_claim_and_stop_left_running() {
+    let db = TestDb::new(12).await;
+    db.register(&Workflow::new("moved", 1).stage(Stage::step("charge").retry(RetryPolicy::none())))
+        .await;
+    for round in 0..20 {
+        let id = db.engine.start("moved", &json!(1)).await.unwrap();
+        let charge = claim_n(&db.engine, 1).await.remove(0);
+        db.engine.fail(&charge, "declined", true).await.unwrap();
+        // Archivers over and over, while the failed execution is resumed, its task claimed
+        // and the execution cancelled with the attempt still running: at no point may the
+        // running task leave the hot table.
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let barrier = Arc::new(Barrier::new(4));
+        let mut archivers = Vec::new();
+        for _ in 0..3 {
+            let (engine, barrier, stop) = (db.engine.clone(), barrier.clone(), stop.clone());
+            archivers.push(tokio::spawn(async move {
+                barrier.wait().await;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    engine.archive(Duration::ZERO, 10).await.unwrap();
+                }
+            }));
+        }
+        barrier.wait().await;
+        db.engine.reprocess(charge.id()).await.unwrap();
+        let again = claim_n(&db.engine, 1).await.remove(0);
+        assert!(db.engine.cancel(id).await.unwrap(), "round {round}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for a in archivers {
+            a.await.unwrap();
+        }
+        let open_in_history: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM confluo.task_history WHERE status IN ('pending', 'running')",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(open_in_history, 0, "round {round}");
+        assert_eq!(where_tasks_are(&db, id).await, (1, 0), "round {round}");
+        // The attempt ends on the hot table, and then the execution is archived.
+        db.engine.complete(&again, json!(0)).await.unwrap();
+        db.engine.archive(Duration::ZERO, 10).await.unwrap();
+        assert_eq!(where_tasks_are(&db, id).await, (0, 1), "round {round}");
+    }
+}
+
 #[tokio::test]
 async fn a_worker_archives_what_ended_as_part_of_its_housekeeping() {
     let db = TestDb::new(6).await;

@@ -129,13 +129,24 @@ pub(crate) enum Decision {
     Unmatched(String),
 }
 
-/// Picks the arm of branch `name` for the previous stage's `output`.
+/// Where a branch's value comes from, as its error names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// The previous stage's output.
+    PreviousOutput,
+    /// The execution input (a branch that comes first, or after stages that pass their
+    /// input on).
+    ExecutionInput,
+}
+
+/// Picks the arm of branch `name` for `output`, the value it receives from `source`.
 pub(crate) fn decide(
     name: &str,
     by: &str,
     arms: &[Arm],
     has_otherwise: bool,
     output: &Value,
+    source: Source,
 ) -> Decision {
     let selected = output.pointer(by);
     let key = match selected {
@@ -160,11 +171,20 @@ pub(crate) fn decide(
                 None => format!("nothing at {by:?}"),
                 Some(v) => format!("{} at {by:?}", preview(v)),
             };
+            let (input, fix) = match source {
+                Source::PreviousOutput => (
+                    "the previous output",
+                    "make the previous stage return one of those values",
+                ),
+                Source::ExecutionInput => (
+                    "the execution input",
+                    "start the execution with one of those values",
+                ),
+            };
             Decision::Unmatched(format!(
-                "branch {name:?} found {found} in the previous output, which matches none of \
-                 its arms {whens:?}, and it has no otherwise: add an arm or an otherwise \
-                 to the workflow (a new version), or make the previous stage return one of \
-                 those values"
+                "branch {name:?} found {found} in {input}, which matches none of its arms \
+                 {whens:?}, and it has no otherwise: add an arm or an otherwise to the \
+                 workflow (a new version), or {fix}"
             ))
         }
     }
@@ -196,7 +216,14 @@ mod tests {
 
     #[test]
     fn strings_and_scalars_match_by_their_text() {
-        let take = |v: Value| match decide("b", "/m", &arms(), true, &json!({ "m": v })) {
+        let take = |v: Value| match decide(
+            "b",
+            "/m",
+            &arms(),
+            true,
+            &json!({ "m": v }),
+            Source::PreviousOutput,
+        ) {
             Decision::Take(arm, _) => arm,
             Decision::Unmatched(e) => panic!("{e}"),
         };
@@ -212,7 +239,14 @@ mod tests {
 
     #[test]
     fn the_whole_output_is_matched_by_default() {
-        let d = decide("b", "", &arms(), false, &json!("card"));
+        let d = decide(
+            "b",
+            "",
+            &arms(),
+            false,
+            &json!("card"),
+            Source::PreviousOutput,
+        );
         assert_eq!(
             d,
             Decision::Take(
@@ -227,15 +261,43 @@ mod tests {
 
     #[test]
     fn an_unmatched_value_without_otherwise_says_what_was_found() {
-        let Decision::Unmatched(e) = decide("route", "/m", &arms(), false, &json!({"m": "cash"}))
-        else {
+        let Decision::Unmatched(e) = decide(
+            "route",
+            "/m",
+            &arms(),
+            false,
+            &json!({"m": "cash"}),
+            Source::PreviousOutput,
+        ) else {
             panic!("expected no match");
         };
         assert!(e.contains("\"cash\" at \"/m\""), "{e}");
         assert!(e.contains("\"card\""), "{e}");
-        let Decision::Unmatched(e) = decide("route", "/x", &arms(), false, &json!({})) else {
+        let Decision::Unmatched(e) = decide(
+            "route",
+            "/x",
+            &arms(),
+            false,
+            &json!({}),
+            Source::PreviousOutput,
+        ) else {
             panic!("expected no match");
         };
         assert!(e.contains("nothing at \"/x\""), "{e}");
+        assert!(e.contains("in the previous output"), "{e}");
+        // A branch that comes first decides on the execution input, and says so.
+        let Decision::Unmatched(e) = decide(
+            "route",
+            "/m",
+            &arms(),
+            false,
+            &json!({"m": "cash"}),
+            Source::ExecutionInput,
+        ) else {
+            panic!("expected no match");
+        };
+        assert!(e.contains("in the execution input"), "{e}");
+        assert!(e.contains("start the execution with"), "{e}");
+        assert!(!e.contains("previous"), "{e}");
     }
 }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::fanin::FanInStrategy;
 
-pub(crate) use branch::{decide, Decision};
+pub(crate) use branch::{decide, Decision, Source};
 pub use branch::{Arm, Branch, BranchChoice};
 pub(crate) use child::CHILD_HANDLER;
 pub(crate) use join::strategy_for;

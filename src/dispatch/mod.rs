@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use sqlx::PgConnection;
 
-use crate::definition::{decide, timeout_input, Decision, StageKind, Workflow};
+use crate::definition::{decide, timeout_input, Decision, Source, StageKind, Workflow};
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::fanin::FanInStrategy;
@@ -307,6 +307,14 @@ async fn input_after(
         }))
 }
 
+/// Where a branch fed by `input` takes its value from (`None`: the execution input).
+fn source_of(input: Option<Input>) -> Source {
+    match input {
+        Some(_) => Source::PreviousOutput,
+        None => Source::ExecutionInput,
+    }
+}
+
 /// A kind as stored on a group, as [`StageKind::as_str`] names it.
 fn stored_kind(kind: &str) -> &'static str {
     match kind {
@@ -377,9 +385,14 @@ pub(crate) async fn enter(
                     return Ok(Entered::default());
                 };
                 let value = input_value(conn, execution_id, input).await?;
-                let Decision::Take(arm, _) =
-                    decide(stage.name(), by, arms, otherwise.is_some(), &value)
-                else {
+                let Decision::Take(arm, _) = decide(
+                    stage.name(),
+                    by,
+                    arms,
+                    otherwise.is_some(),
+                    &value,
+                    source_of(input),
+                ) else {
                     return Ok(Entered::default());
                 };
                 branch_group = Some(entered);
@@ -396,7 +409,14 @@ pub(crate) async fn enter(
         } = stage.kind()
         {
             let value = input_value(conn, execution_id, input).await?;
-            match decide(stage.name(), by, arms, otherwise.is_some(), &value) {
+            match decide(
+                stage.name(),
+                by,
+                arms,
+                otherwise.is_some(),
+                &value,
+                source_of(input),
+            ) {
                 Decision::Take(arm, choice) => {
                     let group = GroupId::new();
                     groups::create_branch(

@@ -173,25 +173,39 @@ pub(crate) async fn requeue(
         .await?)
 }
 
-/// The groups of the execution (just resumed, its lock held) whose members all ended
-/// while it was stopped, and that never fired: a stage beside the one that failed (a
-/// dependency of the same join) that finished after the failure. Each as `(group,
-/// stage_index)`, in stage order.
-pub(crate) async fn settled_unfired(
+/// The groups of the execution (just resumed, its lock held) that reached their join
+/// while it was stopped and never fired: a stage beside the one that failed (a
+/// dependency of the same join) whose members all ended after the failure, or a quorum
+/// group ([`Join`](crate::Join)) whose quorum was met then, whatever its other members
+/// are now (requeued with the resume, or still running: firing cancels them). Each as
+/// `(group, stage_index)`, in stage order.
+pub(crate) async fn joined_unfired(
     conn: &mut PgConnection,
     execution_id: ExecutionId,
 ) -> Result<Vec<(GroupId, i32)>> {
     Ok(super::query_as(
         "SELECT g.id, g.stage_index FROM confluo.stage_group g
           WHERE g.execution_id = $1 AND g.fired_at IS NULL AND g.width > 0
-            AND NOT EXISTS (SELECT 1 FROM confluo.task t
-                             WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
-            AND (g.quorum IS NULL
-                 OR (SELECT count(*) FROM confluo.task q
-                      WHERE q.group_id = g.id AND q.status = 'completed') >= g.quorum)
+            AND CASE WHEN g.quorum IS NULL
+                     THEN NOT EXISTS (SELECT 1 FROM confluo.task t
+                                       WHERE t.group_id = g.id
+                                         AND t.status IN ('pending', 'running'))
+                     ELSE (SELECT count(*) FROM confluo.task q
+                            WHERE q.group_id = g.id AND q.status = 'completed') >= g.quorum
+                END
           ORDER BY g.stage_index",
     )
     .bind(execution_id)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Those of `ids` still waiting in the queue (not cancelled since, by a firing).
+pub(crate) async fn still_queued(conn: &mut PgConnection, ids: &[TaskId]) -> Result<Vec<TaskId>> {
+    Ok(super::query_scalar(
+        "SELECT id FROM confluo.task WHERE id = ANY($1) AND status = 'pending' ORDER BY id",
+    )
+    .bind(ids)
     .fetch_all(conn)
     .await?)
 }

@@ -439,7 +439,8 @@ pub(crate) async fn explain_completions(
 /// The result of recording a failed attempt.
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct FailedRow {
-    /// `pending` (retry scheduled), `dead`, or `cancelled` (its execution stopped).
+    /// `pending` (retry scheduled), `dead`, or `cancelled` (its execution stopped, or
+    /// its quorum group fired without it).
     pub status: String,
     pub run_at: DateTime<Utc>,
     pub attempt: i32,
@@ -461,7 +462,8 @@ pub(crate) const HELD_EXPIRIES: i32 = 3;
 
 /// Records a failed attempt: schedules a retry with backoff (from the policy persisted on
 /// the row), or dead-letters the task when attempts are exhausted or the error is
-/// permanent, or cancels it when its execution has stopped. A terminal outcome counts the
+/// permanent, or cancels it when its execution has stopped or its quorum group fired
+/// without it (for a quorum stage, the caller holds the execution's lock: [`UNJOINED`]). A terminal outcome counts the
 /// group down in the same statement. With `only_if_expired`, the lease must have expired
 /// (reclaiming), so a renewal that won the race keeps the attempt alive, and the attempt's
 /// token is cleared: its late acknowledgements are `LeaseLost`, not replays. A reclaimed
@@ -483,7 +485,7 @@ pub(crate) async fn fail(
              WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
                AND x.status <> 'running'
                FOR SHARE
-         ), failed AS (
+         ), {}, failed AS (
             UPDATE confluo.task t
                SET status = v.next_status,
                    attempt = CASE WHEN v.unstarted THEN t.attempt - 1 ELSE t.attempt END,
@@ -504,10 +506,12 @@ pub(crate) async fn fail(
                    lease_token = CASE WHEN $5 THEN NULL ELSE t.lease_token END
               FROM (SELECT CASE
                         WHEN EXISTS (SELECT 1 FROM stopped) THEN 'cancelled'
+                        WHEN EXISTS (SELECT 1 FROM unjoined_fired) THEN 'cancelled'
                         WHEN u.unstarted THEN 'pending'
                         WHEN $4 OR y.attempt >= y.max_attempts THEN 'dead'
                         ELSE 'pending' END AS next_status,
-                        u.unstarted AND NOT EXISTS (SELECT 1 FROM stopped) AS unstarted
+                        u.unstarted AND NOT EXISTS (SELECT 1 FROM stopped)
+                          AND NOT EXISTS (SELECT 1 FROM unjoined_fired) AS unstarted
                       FROM confluo.task y
                      CROSS JOIN LATERAL (SELECT $5 AND NOT y.started
                                                 AND y.held_expiries < $6 AS unstarted) u
@@ -521,6 +525,7 @@ pub(crate) async fn fail(
                 (SELECT c.remaining FROM c_groups c) AS remaining,
                 COALESCE((SELECT c.unreachable FROM c_groups c), false) AS unreachable
            FROM failed f",
+        UNJOINED,
         held!("t", "$1", "$2"),
         counters_sql("ended", Count::Down)
     );
@@ -535,8 +540,25 @@ pub(crate) async fn fail(
         .await?)
 }
 
-/// Cancels a claimed attempt whose execution has stopped and counts its group down, in
-/// one statement. False if the attempt lost its lease, or the execution is running again.
+/// The CTE `unjoined_fired` of a statement that ends or gives back the attempt of task
+/// `$1`: a row when its group is a quorum group ([`Join`](crate::Join)) that has fired,
+/// its join gone on without it. Such an attempt is cancelled, never put back in the
+/// queue: nothing of a group runs again once its join fired.
+///
+/// The firing transaction cancels the group's open members itself, but skips those
+/// another transaction holds ([`cancel_unjoined`]), so the statement that holds the task
+/// asks the group. The caller must hold the execution's lock (taken before the task, as
+/// [`locks`] orders): every firing holds it until it commits, so this statement's
+/// snapshot, taken after, sees any firing of the group.
+const UNJOINED: &str = "unjoined_fired AS (
+            SELECT 1 FROM confluo.task t JOIN confluo.stage_group g ON g.id = t.group_id
+             WHERE t.id = $1 AND g.quorum IS NOT NULL AND g.fired_at IS NOT NULL
+         )";
+
+/// Cancels a claimed attempt that must not run and counts its group down, in one
+/// statement: its execution has stopped, or its group is a quorum group that fired
+/// without it (the caller holds the execution's lock: see [`UNJOINED`]). False if the
+/// attempt lost its lease, or may run (the execution is running again, the group waits).
 pub(crate) async fn cancel_claimed(
     conn: &mut PgConnection,
     id: TaskId,
@@ -549,12 +571,12 @@ pub(crate) async fn cancel_claimed(
              WHERE x.id = (SELECT execution_id FROM confluo.task WHERE id = $1)
                AND x.status <> 'running'
                FOR SHARE
-         ), cancelled AS (
+         ), {UNJOINED}, cancelled AS (
             UPDATE confluo.task t
                SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL,
                    -- The claim counted an attempt that never ran: a resume requeues it whole.
                    attempt = t.attempt - 1
-             WHERE {} AND EXISTS (SELECT 1 FROM stopped)
+             WHERE {} AND (EXISTS (SELECT 1 FROM stopped) OR EXISTS (SELECT 1 FROM unjoined_fired))
          RETURNING t.group_id, t.item_index, 'cancelled'::text AS outcome
          ) {}
          SELECT count(*) FROM cancelled",
@@ -800,14 +822,19 @@ pub(crate) async fn lock_and_mark_fired_many(
         .await?)
 }
 
+/// The error recorded on a member a quorum group's firing cancelled, as an SQL literal.
+pub(crate) const UNJOINED_ERROR_SQL: &str = "'cancelled: its stage''s join fired without it'";
+
 /// Cancels the members of a quorum group that just fired and are still pending or
 /// running, and counts them down, in the firing transaction: they will pass nothing on
 /// (a running one's acknowledgement then matches nothing). Rows another transaction
 /// holds at this instant are skipped, not waited for: the firing transaction holds the
 /// group, and a completion that holds a member waits for the group (the one exception
-/// to [`locks`]' order, safe because it never waits). Such a member finishes: a
-/// completion is then late, and cancelled by [`complete_many`] or the re-count; a retry
-/// runs again, and its completion is late too. Returns how many it cancelled.
+/// to [`locks`]' order, safe because it never waits). Such a member ends cancelled
+/// whatever its attempt does: a completion is late, and cancelled by [`complete_many`]
+/// or the re-count; a failure, a reclaim or a give-back holds the execution's lock and
+/// finds the group fired ([`UNJOINED`]). Until then, the next stage's input lists it as
+/// cancelled already (`groups::output_expression`). Returns how many it cancelled.
 pub(crate) async fn cancel_unjoined(conn: &mut PgConnection, group_id: GroupId) -> Result<u64> {
     let sql = format!(
         "WITH open AS (
@@ -823,7 +850,7 @@ pub(crate) async fn cancel_unjoined(conn: &mut PgConnection, group_id: GroupId) 
                    lease_token = CASE WHEN t.status = 'running' THEN NULL ELSE t.lease_token END,
                    errors = t.errors || jsonb_build_array(jsonb_build_object(
                        'attempt', t.attempt, 'at', now(),
-                       'error', 'cancelled: its stage''s join fired without it'))
+                       'error', {UNJOINED_ERROR_SQL}))
               FROM open WHERE t.id = open.id AND t.status IN ('pending', 'running')
          RETURNING t.group_id, t.item_index, 'cancelled'::text AS outcome
          ) {}

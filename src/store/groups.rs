@@ -346,17 +346,28 @@ fn output_sql(group_filter: &str) -> String {
     )
 }
 
+/// A member `t` still pending or running in a group that fired.
+const UNJOINED_OPEN: &str = "t.status IN ('pending', 'running') AND EXISTS (
+    SELECT 1 FROM confluo.stage_group f WHERE f.id = t.group_id AND f.fired_at IS NOT NULL)";
+
 /// The expression of [`output_sql`] for one group `g` (any row with its `id`, `kind` and
 /// `execution_id`).
 ///
 /// Built as `json` (text), not `jsonb`: the value goes straight to the client, and
 /// aggregating 10 000 outputs into `jsonb` costs about twice as much (it re-encodes each).
 pub(crate) fn output_expression() -> String {
+    // A member still open once its group fired (a quorum's join went on without it,
+    // and the transaction that fired skipped it while another held it) is listed as
+    // what it will end as whatever it does: cancelled (`fan_in::UNJOINED`).
+    use super::fan_in::UNJOINED_ERROR_SQL;
     let failed = |branch: &str| {
         format!(
             "COALESCE(json_agg(json_build_object(
-                'index', t.item_index, 'branch', {branch}, 'status', t.status,
-                'attempts', t.attempt, 'error', t.errors -> -1 ->> 'error') ORDER BY t.item_index)
+                'index', t.item_index, 'branch', {branch},
+                'status', CASE WHEN {UNJOINED_OPEN} THEN 'cancelled' ELSE t.status END,
+                'attempts', t.attempt,
+                'error', CASE WHEN {UNJOINED_OPEN} THEN {UNJOINED_ERROR_SQL}
+                              ELSE t.errors -> -1 ->> 'error' END) ORDER BY t.item_index)
               FILTER (WHERE t.status <> 'completed'), '[]'::json)"
         )
     };

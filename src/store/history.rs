@@ -15,27 +15,50 @@ use crate::error::Result;
 use crate::ids::ExecutionId;
 
 /// Moves the tasks of up to `batch` executions that ended at least `after_ms` ago (the
-/// oldest first), and have no attempt still running, into the history and marks them
-/// archived, in one autocommitted statement (READ COMMITTED, as the session is pinned; a
-/// locked execution is re-read at its latest version, so one resumed meanwhile is left
-/// alone). Returns how many executions and tasks it moved.
-pub(crate) async fn archive<'e, E>(executor: E, after_ms: i64, batch: i64) -> Result<(u64, u64)>
-where
-    E: super::Executor<'e>,
-{
+/// oldest first), and have no task still pending or running, into the history and marks
+/// them archived, in one READ COMMITTED transaction of two statements. Returns how many
+/// executions and tasks it moved.
+///
+/// The first statement locks the candidates, skipping those another transaction holds
+/// (a reprocess, a purge, another worker's archive). The second, whose snapshot is taken
+/// once the locks are held, checks each again and moves it. Checked in the first
+/// statement's snapshot alone, a reprocess (resuming the execution), a claim of what it
+/// requeued and a stop, all committed between that snapshot and the lock, would leave
+/// a running task behind the check, and the move would take it out of the hot table
+/// where nothing reclaims it. Under the lock, an ended execution with no open task gets
+/// none: only a reprocess (which needs the lock) puts a task back in the queue.
+///
+/// # Cancel safety
+/// Dropped before its commit, nothing is moved.
+pub(crate) async fn archive(pool: &sqlx::PgPool, after_ms: i64, batch: i64) -> Result<(u64, u64)> {
+    let mut tx = super::begin(pool).await?;
+    let locked: Vec<ExecutionId> = super::query_scalar(
+        "SELECT id FROM confluo.execution
+          WHERE archived_at IS NULL AND status <> 'running'
+            AND finished_at < now() - make_interval(secs => $1::float8 / 1000)
+            -- A stop leaves running attempts to end on their own: their
+            -- acknowledgements, and the lease sweep, work on the hot table.
+            AND NOT EXISTS (SELECT 1 FROM confluo.task t
+                             WHERE t.execution_id = execution.id
+                               AND t.status IN ('pending', 'running'))
+          ORDER BY finished_at
+          LIMIT $2
+            FOR NO KEY UPDATE SKIP LOCKED",
+    )
+    .bind(after_ms)
+    .bind(batch)
+    .fetch_all(&mut *tx)
+    .await?;
+    if locked.is_empty() {
+        return Ok((0, 0));
+    }
     let (executions, tasks): (i64, i64) = super::query_as(
         "WITH picked AS (
             SELECT id FROM confluo.execution
-             WHERE archived_at IS NULL AND status <> 'running'
-               AND finished_at < now() - make_interval(secs => $1::float8 / 1000)
-               -- A stop leaves running attempts to end on their own: their
-               -- acknowledgements, and the lease sweep, work on the hot table.
+             WHERE id = ANY($1) AND archived_at IS NULL AND status <> 'running'
                AND NOT EXISTS (SELECT 1 FROM confluo.task t
                                 WHERE t.execution_id = execution.id
                                   AND t.status IN ('pending', 'running'))
-             ORDER BY finished_at
-             LIMIT $2
-               FOR NO KEY UPDATE SKIP LOCKED
          ), marked AS (
             UPDATE confluo.execution e SET archived_at = now()
               FROM picked p WHERE e.id = p.id
@@ -49,10 +72,10 @@ where
          )
          SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM kept)",
     )
-    .bind(after_ms)
-    .bind(batch)
-    .fetch_one(executor)
+    .bind(&locked)
+    .fetch_one(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok((executions.max(0) as u64, tasks.max(0) as u64))
 }
 
