@@ -134,6 +134,18 @@ pub struct Repairs {
     pub orphans_cancelled: usize,
 }
 
+impl Repairs {
+    /// Repairs made, of every kind.
+    pub fn count(&self) -> usize {
+        self.counters_fixed
+            + self.groups_fired
+            + self.executions_advanced
+            + self.signals_received
+            + self.children_reported
+            + self.orphans_cancelled
+    }
+}
+
 impl From<audit::GroupRow> for GroupRef {
     fn from(row: audit::GroupRow) -> Self {
         GroupRef {
@@ -168,13 +180,18 @@ impl Engine {
     /// # Cancel safety
     /// Reads only: dropping it changes nothing.
     pub async fn doctor(&self) -> Result<Diagnosis> {
+        self.diagnose(None).await
+    }
+
+    /// [`doctor`](Self::doctor) over the running executions of `scope` (`None`: all).
+    pub(crate) async fn diagnose(&self, scope: audit::Scope<'_>) -> Result<Diagnosis> {
         let mut conn = self.pool().acquire().await?;
-        let counters = audit::counter_mismatches(&mut conn).await?;
-        let unfired = audit::unfired_groups(&mut conn).await?;
-        let stalled = audit::stalled_executions(&mut conn).await?;
-        let unreceived = signals::unreceived(&mut *conn, 1_000).await?;
-        let unreported = children::unreported(&mut *conn, 1_000).await?;
-        let orphaned = children::orphans(&mut *conn, 1_000).await?;
+        let counters = audit::counter_mismatches(&mut conn, scope).await?;
+        let unfired = audit::unfired_groups(&mut conn, scope).await?;
+        let stalled = audit::stalled_executions(&mut conn, scope).await?;
+        let unreceived = signals::unreceived(&mut *conn, 1_000, scope).await?;
+        let unreported = children::unreported(&mut *conn, 1_000, scope).await?;
+        let orphaned = children::orphans(&mut *conn, 1_000, scope).await?;
         Ok(Diagnosis {
             counter_mismatches: counters
                 .into_iter()
@@ -223,6 +240,15 @@ impl Engine {
     /// the one in progress is rolled back; calling it again finishes the job.
     pub async fn repair(&self) -> Result<Repairs> {
         let found = self.doctor().await?;
+        self.repair_found(found, None).await
+    }
+
+    /// Repairs what [`diagnose`](Self::diagnose) found over `scope`.
+    pub(crate) async fn repair_found(
+        &self,
+        found: Diagnosis,
+        scope: audit::Scope<'_>,
+    ) -> Result<Repairs> {
         let mut repairs = Repairs::default();
         let mut groups: Vec<GroupId> = found
             .counter_mismatches
@@ -239,7 +265,7 @@ impl Engine {
         // Re-read: a re-counted group may now be at zero and unfired.
         let unfired = if repairs.counters_fixed > 0 {
             let mut conn = self.pool().acquire().await?;
-            audit::unfired_groups(&mut conn).await?
+            audit::unfired_groups(&mut conn, scope).await?
         } else {
             Vec::new()
         };

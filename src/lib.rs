@@ -57,6 +57,7 @@
 
 mod activity;
 mod archive;
+mod auditor;
 mod batch;
 mod builtin;
 mod callback;
@@ -91,6 +92,7 @@ mod worker;
 
 pub use activity::{Activity, HandOver, MinuteActivity, TaskCounts};
 pub use archive::Archived;
+pub use auditor::{AuditRound, AuditorStatus, Unrepaired, AUDIT_SLICE};
 pub use callback::MAX_CALLBACK_LEN;
 pub use claimed::ClaimedTask;
 pub use connect::{read_committed, ConnectBuilder};
@@ -119,7 +121,9 @@ pub use queue::Outcome;
 pub use registry::{WorkerInfo, WorkerState, WORKER_RETENTION};
 pub use signal::SignalOutcome;
 pub use start::{StartOptions, Started};
-pub use worker::{Notifications, Worker, WorkerBuilder, DEFAULT_ARCHIVE_AFTER};
+pub use worker::{
+    Notifications, Worker, WorkerBuilder, DEFAULT_ARCHIVE_AFTER, DEFAULT_AUDIT_EVERY,
+};
 
 /// The README's examples, compiled as doctests so that they cannot drift from the API.
 #[doc = include_str!("../README.md")]

@@ -12,6 +12,9 @@
 //! | `confluo_handler_duration_seconds` | histogram | `workflow`, `handler`, `ending` | one attempt's handler run: `ok`, `error`, `panic`, `timeout`, `lease_lost`, `stopped` |
 //! | `confluo_fan_in_seconds` | histogram | | the call that fired a group: its last write, the next stage's dispatch and the commit |
 //! | `confluo_queue_depth` | gauge | `state` | tasks `due`, `scheduled` (in backoff) and `running`, sampled by workers' housekeeping |
+//! | `confluo_audit_findings_total` | counter | `kind` | what the auditor's rounds found: `counter_mismatch`, `unfired_group`, `stalled_execution`, `unreceived_signal`, `unreported_child`, `orphaned_child` |
+//! | `confluo_audit_repairs_total` | counter | | repairs the auditor's rounds made |
+//! | `confluo_audit_unrepaired` | gauge | | what the last round found and could not repair (0 on a healthy database) |
 //!
 //! ```
 //! confluo::metrics::describe(); // names, units and help texts, for the installed recorder
@@ -38,6 +41,13 @@ pub const FAN_IN: &str = "confluo_fan_in_seconds";
 /// Tasks due, scheduled and running, by `state`.
 pub const QUEUE_DEPTH: &str = "confluo_queue_depth";
 
+/// What the auditor's rounds found, by `kind`.
+pub const AUDIT_FINDINGS: &str = "confluo_audit_findings_total";
+/// Repairs the auditor's rounds made.
+pub const AUDIT_REPAIRS: &str = "confluo_audit_repairs_total";
+/// What the last round could not repair.
+pub const AUDIT_UNREPAIRED: &str = "confluo_audit_unrepaired";
+
 /// Describes every metric (unit and help text) to the installed recorder. Optional:
 /// metrics are recorded either way.
 pub fn describe() {
@@ -56,6 +66,35 @@ pub fn describe() {
         "The call that fired a group: last write, dispatch of the next stage, commit"
     );
     describe_gauge!(QUEUE_DEPTH, "Tasks due, scheduled (in backoff) and running");
+    describe_counter!(AUDIT_FINDINGS, "What the auditor's rounds found, by kind");
+    describe_counter!(AUDIT_REPAIRS, "Repairs the auditor's rounds made");
+    describe_gauge!(
+        AUDIT_UNREPAIRED,
+        "What the auditor's last round found and could not repair"
+    );
+}
+
+/// Counts what an auditor's round found, by kind.
+pub(crate) fn audit_findings(found: &crate::Diagnosis) {
+    let kinds = [
+        ("counter_mismatch", found.counter_mismatches.len()),
+        ("unfired_group", found.unfired_groups.len()),
+        ("stalled_execution", found.stalled_executions.len()),
+        ("unreceived_signal", found.unreceived_signals.len()),
+        ("unreported_child", found.unreported_children.len()),
+        ("orphaned_child", found.orphaned_children.len()),
+    ];
+    for (kind, n) in kinds {
+        if n > 0 {
+            counter!(AUDIT_FINDINGS, "kind" => kind).increment(n as u64);
+        }
+    }
+}
+
+/// Records an auditor's round: its repairs, and what it left unrepaired.
+pub(crate) fn audit_round(repaired: usize, unrepaired: usize) {
+    counter!(AUDIT_REPAIRS).increment(repaired as u64);
+    metrics::gauge!(AUDIT_UNREPAIRED).set(unrepaired as f64);
 }
 
 /// Records an acknowledgement's outcome (its `outcome` label, and whether it fired a

@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::TestDb;
@@ -12,7 +11,6 @@ use confluo::{
     ClaimedTask, Engine, ExecutionStatus, FanInStrategy, Outcome, Stage, TaskError, Workflow,
 };
 use serde_json::json;
-use tokio::sync::Barrier;
 
 async fn wide(db: &TestDb, strategy: FanInStrategy) -> String {
     let name = format!("audit-{strategy}");
@@ -51,32 +49,7 @@ async fn next_stage_groups(db: &TestDb, id: confluo::ExecutionId) -> i64 {
 async fn finds_and_repairs_a_real_naive_stall_exactly_once() {
     let db = TestDb::new(10).await;
     let wf = wide(&db, FanInStrategy::NaiveRecount).await;
-    let stalled = loop {
-        let id = db.engine.start(&wf, &[1, 2]).await.unwrap();
-        let tasks = claim(&db.engine, 2).await;
-        let barrier = Arc::new(Barrier::new(2));
-        let mut handles = Vec::new();
-        for task in tasks {
-            let (engine, barrier) = (db.engine.clone(), barrier.clone());
-            handles.push(tokio::spawn(async move {
-                drop(engine.pool().acquire().await.unwrap());
-                barrier.wait().await;
-                engine.complete(&task, json!(1)).await.unwrap()
-            }));
-        }
-        let mut fired = 0;
-        for h in handles {
-            fired += usize::from(matches!(
-                h.await.unwrap(),
-                Outcome::Completed { fired: true }
-            ));
-        }
-        if fired == 0 {
-            break id;
-        }
-        // Not this time: clear the dispatched step away and try again.
-        db.engine.cancel(id).await.unwrap();
-    };
+    let stalled = common::naive_stall(&db, &wf).await;
     assert_eq!(next_stage_groups(&db, stalled).await, 0);
 
     let diagnosis = db.engine.doctor().await.unwrap();

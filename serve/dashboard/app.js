@@ -247,6 +247,7 @@ async function executionsView(view) {
         card("dead letters", a.tasks.dead), card("workers alive", stats.workers.alive, "stat-workers"),
         card(`fired → next stage claimed, p50 / p95 (${a.hand_over.in_firing_transaction} of ${a.hand_over.groups} in the firing transaction)`,
           `${fmtMs(a.hand_over.p50_ms)} / ${fmtMs(a.hand_over.p95_ms)}`)),
+      auditorPanel(stats.auditor),
       h("h2", { text: "Members finished per minute, and the queue's depth" }),
       chart(a.per_minute, stats.queue_history || []));
     list.replaceChildren(table(["execution", "workflow", "status", "stage", "started", "finished", "error"],
@@ -256,6 +257,19 @@ async function executionsView(view) {
         h("td", { class: "num", text: x.current_stage }), h("td", {}, when(x.created_at)), h("td", {}, when(x.finished_at)),
         h("td", { class: "muted", text: x.error || "" }))), "no executions"));
   });
+}
+
+// The auditor that workers run by themselves: what it found, repaired, and could not.
+function auditorPanel(auditor) {
+  if (!auditor) return h("div");
+  const last = auditor.last_round_at ? when(auditor.last_round_at) : h("span", { text: "no round yet (workers run one every minute)" });
+  const summary = h("p", { id: "auditor", class: auditor.unrepaired.length ? "auditor-bad" : "muted" },
+    h("span", { text: `Auditor: ${auditor.rounds} rounds, ${auditor.found} found, ${auditor.repaired} repaired, ${auditor.unrepaired.length} unrepaired; last round ` }), last);
+  if (!auditor.unrepaired.length) return summary;
+  return h("div", {}, summary, table(["execution", "finding", "found"],
+    auditor.unrepaired.map((u) => h("tr", { "data-unrepaired": u.execution_id },
+      h("td", {}, link(`#/executions/${u.execution_id}`, short(u.execution_id), { class: "mono" })),
+      h("td", { text: u.finding }), h("td", {}, when(u.at)))), ""));
 }
 
 // ---- one execution -------------------------------------------------------------------

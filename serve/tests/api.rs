@@ -163,6 +163,9 @@ async fn executions_and_dead_letters_through_the_api() {
     assert_eq!(status, StatusCode::OK, "{stats}");
     assert_eq!(stats["executions"]["completed"], 1, "{stats}");
     assert_eq!(stats["workers"]["alive"], 1, "{stats}");
+    // The auditor workers run by themselves: nothing unrepaired on a healthy database.
+    assert_eq!(stats["auditor"]["unrepaired"], json!([]), "{stats}");
+    assert!(stats["auditor"]["rounds"].is_u64(), "{stats}");
     let (_, workers) = call(&app, Method::GET, "/api/v1/workers", None).await;
     assert_eq!(workers[0]["id"], worker.id(), "{workers}");
     assert_eq!(
@@ -516,6 +519,7 @@ async fn the_openapi_document_describes_every_route() {
         "DeadLetterDetail",
         "WorkerInfo",
         "Stats",
+        "AuditorStatus",
     ] {
         assert!(
             schemas.contains_key(schema),

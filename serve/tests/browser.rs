@@ -204,6 +204,12 @@ async fn the_dashboard_shows_a_countdown_and_reprocesses_a_dead_letter() {
 
     // Start it from the page's form.
     client.goto(&format!("{base}/")).await.unwrap();
+    // The overview says where the auditor workers run by themselves stands.
+    let auditor = watch(&client, "#auditor", |t| t.starts_with("Auditor:")).await;
+    assert!(
+        auditor.last().unwrap().contains("0 unrepaired"),
+        "{auditor:?}"
+    );
     client
         .wait()
         .for_element(Locator::Css("#start-workflow option[value=browser]"))

@@ -8,6 +8,18 @@ use sqlx::{FromRow, PgConnection};
 use crate::error::Result;
 use crate::ids::{ExecutionId, GroupId};
 
+/// Which running executions an audit reads: all of them, or a slice (an auditor's round,
+/// `Some`: bound as `$1`).
+pub(crate) type Scope<'a> = Option<&'a [ExecutionId]>;
+
+/// The condition on the execution `e` that [`Scope`] `scope` sets.
+fn within(scope: Scope<'_>) -> &'static str {
+    match scope {
+        None => "true",
+        Some(_) => "e.id = ANY($1)",
+    }
+}
+
 /// A counter (a group's, or one of its stripes') that disagrees with its members.
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct CounterRow {
@@ -26,12 +38,15 @@ pub(crate) struct CounterRow {
 /// their non-terminal members, and its `remaining` against its undrained stripes; a
 /// countdown quorum group's `needed` against its quorum less its completed members, and
 /// its `tolerable` against its width less its quorum and its dead members.
-pub(crate) async fn counter_mismatches(conn: &mut PgConnection) -> Result<Vec<CounterRow>> {
-    Ok(super::query_as(
+pub(crate) async fn counter_mismatches(
+    conn: &mut PgConnection,
+    scope: Scope<'_>,
+) -> Result<Vec<CounterRow>> {
+    let sql = format!(
         "WITH g AS (
             SELECT g.* FROM confluo.stage_group g
               JOIN confluo.execution e ON e.id = g.execution_id
-             WHERE e.status = 'running' AND g.fan_in IN ('countdown', 'striped')
+             WHERE e.status = 'running' AND g.fan_in IN ('countdown', 'striped') AND {}
          ), stripe_truth AS (
             SELECT s.group_id, s.stripe, s.remaining,
                    (SELECT count(*) FROM confluo.task t
@@ -72,7 +87,13 @@ pub(crate) async fn counter_mismatches(conn: &mut PgConnection) -> Result<Vec<Co
          SELECT id, execution_id, stage_index, NULL, 'tolerable', tolerable, tolerates
            FROM quorum_truth WHERE tolerable <> tolerates
          ORDER BY 1, 4 NULLS FIRST, 5",
-    )
+        within(scope)
+    );
+    let query = super::query_as(&sql);
+    Ok(match scope {
+        Some(ids) => query.bind(ids),
+        None => query,
+    }
     .fetch_all(conn)
     .await?)
 }
@@ -88,18 +109,27 @@ pub(crate) struct GroupRow {
 /// Groups of running executions whose members are all terminal but that never fired (a
 /// quorum group only if enough of them completed: one that failed its quorum fails its
 /// execution instead).
-pub(crate) async fn unfired_groups(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
-    Ok(super::query_as(
+pub(crate) async fn unfired_groups(
+    conn: &mut PgConnection,
+    scope: Scope<'_>,
+) -> Result<Vec<GroupRow>> {
+    let sql = format!(
         "SELECT g.id AS group_id, g.execution_id, g.stage_index
            FROM confluo.stage_group g JOIN confluo.execution e ON e.id = g.execution_id
-          WHERE e.status = 'running' AND g.fired_at IS NULL
+          WHERE e.status = 'running' AND g.fired_at IS NULL AND {}
             AND NOT EXISTS (SELECT 1 FROM confluo.task t
                              WHERE t.group_id = g.id AND t.status IN ('pending', 'running'))
             AND (g.quorum IS NULL
                  OR (SELECT count(*) FROM confluo.task q
                       WHERE q.group_id = g.id AND q.status = 'completed') >= g.quorum)
           ORDER BY g.execution_id, g.stage_index",
-    )
+        within(scope)
+    );
+    let query = super::query_as(&sql);
+    Ok(match scope {
+        Some(ids) => query.bind(ids),
+        None => query,
+    }
     .fetch_all(conn)
     .await?)
 }
@@ -115,16 +145,25 @@ const STALLED: &str = "e.status = 'running'
 /// Running executions with nothing left to run: no open task and every group fired, so
 /// nothing will ever move them (in a graph, a stall may sit on any branch). Returns each
 /// with its last group, to name it.
-pub(crate) async fn stalled_executions(conn: &mut PgConnection) -> Result<Vec<GroupRow>> {
-    Ok(super::query_as(&format!(
+pub(crate) async fn stalled_executions(
+    conn: &mut PgConnection,
+    scope: Scope<'_>,
+) -> Result<Vec<GroupRow>> {
+    let sql = format!(
         "SELECT last.id AS group_id, e.id AS execution_id, last.stage_index
            FROM confluo.execution e
            JOIN LATERAL (SELECT g.id, g.stage_index FROM confluo.stage_group g
                           WHERE g.execution_id = e.id
                           ORDER BY g.stage_index DESC LIMIT 1) last ON true
-          WHERE {STALLED}
-          ORDER BY e.id"
-    ))
+          WHERE {STALLED} AND {}
+          ORDER BY e.id",
+        within(scope)
+    );
+    let query = super::query_as(&sql);
+    Ok(match scope {
+        Some(ids) => query.bind(ids),
+        None => query,
+    }
     .fetch_all(conn)
     .await?)
 }

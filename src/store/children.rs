@@ -270,7 +270,11 @@ pub(crate) async fn done_cascading(conn: &mut PgConnection, parent: ExecutionId)
 /// Children whose end was never reported: ended, with their member still pending at
 /// `infinity` in a running parent (the auditor's check; the end's own statement makes it
 /// due, so any row here is a defect). Each as `(child, member)`.
-pub(crate) async fn unreported<'e, E>(executor: E, limit: i64) -> Result<Vec<(ExecutionId, TaskId)>>
+pub(crate) async fn unreported<'e, E>(
+    executor: E,
+    limit: i64,
+    scope: super::audit::Scope<'_>,
+) -> Result<Vec<(ExecutionId, TaskId)>>
 where
     E: super::Executor<'e>,
 {
@@ -281,16 +285,22 @@ where
            JOIN confluo.execution p ON p.id = t.execution_id AND p.status = 'running'
           WHERE c.parent_task IS NOT NULL AND c.status <> 'running'
             AND t.status = 'pending' AND t.run_at = 'infinity'
+            AND ($2::uuid[] IS NULL OR p.id = ANY($2))
           ORDER BY c.finished_at
           LIMIT $1",
     )
     .bind(limit)
+    .bind(scope)
     .fetch_all(executor)
     .await?)
 }
 
 /// Running children of ended parents that nothing is cascading to (the auditor's check).
-pub(crate) async fn orphans<'e, E>(executor: E, limit: i64) -> Result<Vec<ExecutionId>>
+pub(crate) async fn orphans<'e, E>(
+    executor: E,
+    limit: i64,
+    scope: super::audit::Scope<'_>,
+) -> Result<Vec<ExecutionId>>
 where
     E: super::Executor<'e>,
 {
@@ -300,10 +310,12 @@ where
            JOIN confluo.execution p ON p.id = c.parent_execution AND p.status <> 'running'
           WHERE c.parent_execution IS NOT NULL AND c.status = 'running'
             AND NOT EXISTS (SELECT 1 FROM confluo.cascade k WHERE k.execution_id = p.id)
+            AND ($2::uuid[] IS NULL OR c.id = ANY($2))
           ORDER BY c.created_at
           LIMIT $1",
     )
     .bind(limit)
+    .bind(scope)
     .fetch_all(executor)
     .await?)
 }

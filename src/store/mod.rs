@@ -23,6 +23,7 @@ pub(crate) use statement::{query, query_as, query_scalar, use_unnamed_statements
 
 pub(crate) mod activity;
 pub(crate) mod audit;
+pub(crate) mod auditor;
 pub(crate) mod children;
 pub(crate) mod dead_letters;
 pub(crate) mod executions;

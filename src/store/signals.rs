@@ -114,7 +114,11 @@ pub(crate) async fn wait_entered(
 /// Running executions with a signal kept and its wait pending: a signal that was never
 /// received (the auditor's check; the execution's lock makes it impossible, so any
 /// row here is a defect). Each as `(execution, signal name)`.
-pub(crate) async fn unreceived<'e, E>(executor: E, limit: i64) -> Result<Vec<(ExecutionId, String)>>
+pub(crate) async fn unreceived<'e, E>(
+    executor: E,
+    limit: i64,
+    scope: super::audit::Scope<'_>,
+) -> Result<Vec<(ExecutionId, String)>>
 where
     E: super::Executor<'e>,
 {
@@ -125,10 +129,12 @@ where
            JOIN confluo.stage_group g
              ON g.execution_id = s.execution_id AND g.kind = 'signal' AND g.stage_name = s.name
            JOIN confluo.task t ON t.group_id = g.id AND t.status = 'pending'
+          WHERE $2::uuid[] IS NULL OR x.id = ANY($2)
           ORDER BY s.received_at
           LIMIT $1",
     )
     .bind(limit)
+    .bind(scope)
     .fetch_all(executor)
     .await?)
 }

@@ -165,13 +165,16 @@ async fn heartbeat(state: &State) {
 }
 
 /// Sends the registry heartbeat, reclaims expired leases, times out executions past their
-/// deadline, cancels the children of stopped executions, archives ended executions' tasks and samples the queue depth, every half
+/// deadline, cancels the children of stopped executions, archives ended executions'
+/// tasks, offers to run the auditor's round and samples the queue depth, every half
 /// lease (at most 5 s apart), until the worker shuts down. It returns between rounds,
 /// never in the middle of a statement: a statement future dropped half-way leaves its
 /// pooled connection to the next user with the exchange unfinished, and the shutdown's
 /// last write to the registry must not be overtaken by it.
 pub(super) async fn housekeeping(state: Arc<State>) {
     let every = housekeeping_interval(&state.settings);
+    // A worker offers its first auditor's round one interval after it starts.
+    let started = tokio::time::Instant::now();
     loop {
         heartbeat(&state).await;
         if let Err(error) = state.engine.reclaim_expired(100).await {
@@ -188,6 +191,17 @@ pub(super) async fn housekeeping(state: Arc<State>) {
                 .engine
                 .archive_round(after, Duration::from_millis(250))
                 .await;
+        }
+        if let Some(audit_every) = state.settings.audit_every {
+            if started.elapsed() >= audit_every {
+                if let Err(error) = state
+                    .engine
+                    .audit_round(audit_every, crate::AUDIT_SLICE)
+                    .await
+                {
+                    tracing::warn!(%error, "the auditor's round failed");
+                }
+            }
         }
         match state.engine.queue_depth().await {
             Ok(depth) => crate::metrics::queue_depth(&depth),

@@ -80,6 +80,8 @@ struct Settings {
     notifications: Option<Notifications>,
     /// `None`: this worker archives nothing.
     archive_after: Option<Duration>,
+    /// `None`: this worker runs no auditor's round.
+    audit_every: Option<Duration>,
 }
 
 /// How a worker hears that tasks became claimable, between its polls
@@ -109,6 +111,11 @@ pub enum Notifications {
 /// moves a task to the history. Long enough that inspecting a run that just ended reads
 /// the hot table, short enough that the hot table holds about a minute of ended work.
 pub const DEFAULT_ARCHIVE_AFTER: Duration = Duration::from_secs(60);
+
+/// Default [`WorkerBuilder::audit_every`]: how often the auditor runs a round, across all
+/// workers. At [`AUDIT_SLICE`](crate::AUDIT_SLICE) executions a round, a minute covers
+/// 30 000 running executions in an hour.
+pub const DEFAULT_AUDIT_EVERY: Duration = Duration::from_secs(60);
 
 /// Default [`WorkerBuilder::local_queue`]: claimed tasks waiting ahead of the handlers.
 /// Chosen by measurement (20 000 no-op tasks, 8 handlers, pool of 12, 3 alternating
@@ -164,6 +171,7 @@ impl WorkerBuilder {
                 inline_block_input: crate::outputs::DEFAULT_INLINE_BLOCK_INPUT,
                 notifications: None,
                 archive_after: Some(DEFAULT_ARCHIVE_AFTER),
+                audit_every: Some(DEFAULT_AUDIT_EVERY),
             },
         }
     }
@@ -289,6 +297,19 @@ impl WorkerBuilder {
     /// workers skip the executions another one is archiving.
     pub fn archive_after(mut self, after: Option<Duration>) -> Self {
         self.settings.archive_after = after;
+        self
+    }
+
+    /// How often the auditor runs a round ([`Engine::audit_round`](crate::Engine::audit_round)),
+    /// shared by every worker of the database (default
+    /// [`DEFAULT_AUDIT_EVERY`](crate::DEFAULT_AUDIT_EVERY), a minute): this worker's
+    /// housekeeping offers to run it, and one worker at a time does, over the next
+    /// [`AUDIT_SLICE`](crate::AUDIT_SLICE) running executions. It repairs what it finds
+    /// and logs, counts and records the rest ([`Engine::auditor`](crate::Engine::auditor)).
+    /// A worker offers its first round one interval after it starts. `None`: this worker
+    /// never runs one (others may).
+    pub fn audit_every(mut self, every: Option<Duration>) -> Self {
+        self.settings.audit_every = every;
         self
     }
 

@@ -541,7 +541,9 @@ pub fn fast_retry(attempts: u32) -> confluo::RetryPolicy {
 
 /// A worker polling every 50 ms, 8 handlers at once, built by `build`. Its acknowledgement
 /// window is the library's default (batched), or `CONFLUO_TEST_ACK_WINDOW_MS` when set
-/// (`0`: every ending acknowledged on its own), so the suite runs either way.
+/// (`0`: every ending acknowledged on its own), so the suite runs either way. It runs no
+/// auditor's round unless `build` asks (`tests/auditor.rs`): a test's own `doctor` must
+/// see what went wrong, not find it moved on.
 pub async fn quick_worker(
     engine: &confluo::Engine,
     build: impl FnOnce(confluo::WorkerBuilder) -> confluo::WorkerBuilder,
@@ -549,6 +551,7 @@ pub async fn quick_worker(
     let mut worker = engine
         .worker()
         .poll_interval(Duration::from_millis(50))
+        .audit_every(None)
         .concurrency(8);
     if let Some(ms) = test_ack_window_ms() {
         worker = worker.ack_window(Duration::from_millis(ms));
@@ -594,4 +597,34 @@ pub async fn groups_of(db: &TestDb, id: confluo::ExecutionId, stage: &str) -> (i
     .fetch_one(&db.pool)
     .await
     .unwrap()
+}
+
+/// A real stall of `workflow` (a map of the naive re-count over its input, then a step):
+/// two members completing together on connections of their own, released by a barrier,
+/// until neither fires. Returns the stalled execution; the others are cancelled.
+pub async fn naive_stall(db: &TestDb, workflow: &str) -> confluo::ExecutionId {
+    use std::sync::Arc;
+    loop {
+        let id = db.engine.start(workflow, &[1, 2]).await.unwrap();
+        let tasks = claim_n(&db.engine, 2).await;
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let mut handles = Vec::new();
+        for task in tasks {
+            let (engine, barrier) = (db.engine.clone(), barrier.clone());
+            handles.push(tokio::spawn(async move {
+                drop(engine.pool().acquire().await.unwrap());
+                barrier.wait().await;
+                engine.complete(&task, serde_json::json!(1)).await.unwrap()
+            }));
+        }
+        let mut outcomes = Vec::new();
+        for h in handles {
+            outcomes.push(h.await.unwrap());
+        }
+        if fired(&outcomes) == 0 {
+            return id;
+        }
+        // Not this time: clear the dispatched step away and try again.
+        db.engine.cancel(id).await.unwrap();
+    }
 }

@@ -178,7 +178,8 @@ impl WorkerTarget {
 }
 
 /// The stress runs' worker: 16 handlers, a short lease, the acknowledgement window asked
-/// for, listening for new tasks unless `no_listen`.
+/// for, listening for new tasks unless `no_listen`, and no auditor's rounds: a stall must
+/// show in the run's own checks, not be moved on quietly.
 fn worker_builder(
     engine: Engine,
     notifications: Notifications,
@@ -187,6 +188,7 @@ fn worker_builder(
 ) -> WorkerBuilder {
     let builder = engine
         .worker()
+        .audit_every(None)
         .concurrency(16)
         .lease(lease)
         .poll_interval(Duration::from_millis(500))

@@ -3,7 +3,10 @@
 
 use axum::extract::State;
 use axum::Json;
-use confluo::{Activity, ExecutionCounts, QueueDepth, RegisteredWorkflow, WorkerInfo, WorkerState};
+use confluo::{
+    Activity, AuditorStatus, ExecutionCounts, QueueDepth, RegisteredWorkflow, WorkerInfo,
+    WorkerState,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, OpenApi, ToSchema};
 
@@ -95,6 +98,9 @@ pub(crate) struct Stats {
     activity: Activity,
     /// The queue's depth over the last hour, sampled by the server every 15 s, oldest first.
     queue_history: Vec<crate::history::DepthSample>,
+    /// The auditor that workers run by themselves: when its last round ran, what its
+    /// rounds found and repaired, and what they could not repair (empty when healthy).
+    auditor: AuditorStatus,
 }
 
 /// Workers by state.
@@ -116,11 +122,12 @@ pub(crate) struct WorkerCounts {
 )]
 pub(crate) async fn stats(State(state): State<AppState>) -> Result<Json<Stats>, ApiError> {
     let engine = &state.engine;
-    let (executions, queue, workers, activity) = tokio::try_join!(
+    let (executions, queue, workers, activity, auditor) = tokio::try_join!(
         engine.execution_counts(),
         engine.queue_depth(),
         engine.workers(),
         state.activity.read(engine),
+        engine.auditor(),
     )?;
     let mut counts = WorkerCounts::default();
     for worker in workers {
@@ -136,5 +143,6 @@ pub(crate) async fn stats(State(state): State<AppState>) -> Result<Json<Stats>, 
         workers: counts,
         activity,
         queue_history: state.queue_history.samples(),
+        auditor,
     }))
 }
