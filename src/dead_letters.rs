@@ -264,7 +264,9 @@ impl Engine {
     /// reprocess took it first); [`Error::ExecutionNotResumable`] when the execution is
     /// completed, cancelled or timed out; [`Error::DeadlinePassed`] when it failed and its
     /// deadline has passed since; [`Error::ResumeFailsAtOnce`] when the resume would fail
-    /// the execution again at once (nothing is requeued); [`Error::Database`].
+    /// the execution again at once (nothing is requeued); [`Error::ResumeMovesNothing`]
+    /// when it failed on entering a stage and every stage it entered has fired, so that
+    /// nothing requeued could move it on (nothing is requeued); [`Error::Database`].
     ///
     /// # Cancel safety
     /// Each try is one transaction: dropped before its commit, nothing is requeued. If the
@@ -333,6 +335,13 @@ impl Engine {
             return Err(Error::DeadlinePassed { execution });
         }
         let mut ids: Vec<TaskId> = requeued.iter().map(|r| r.id).collect();
+        // What it failed with, which the resume clears.
+        let failed_with = match resume {
+            true => executions::get(&mut *tx, execution)
+                .await?
+                .and_then(|e| e.error),
+            false => None,
+        };
         let resumed = resume && executions::resume(&mut tx, execution).await?;
         if resumed {
             // A group may have reached its join while the execution was stopped, firing
@@ -349,15 +358,28 @@ impl Engine {
         if resumed {
             // Entering what follows such a stage can fail the execution again, cancelling
             // what was just requeued, the dead letter included: roll it all back instead.
+            // (Firing its last stage completes it: that is what resuming was for.)
             let after = executions::get(&mut *tx, execution)
                 .await?
                 .ok_or(Error::TaskNotFound(task))?;
-            if after.status != "running" {
-                return Err(Error::ResumeFailsAtOnce {
+            match after.status.as_str() {
+                "running" => {}
+                "completed" => {}
+                _ => {
+                    return Err(Error::ResumeFailsAtOnce {
+                        execution,
+                        reason: after
+                            .error
+                            .unwrap_or_else(|| format!("it is {}", after.status)),
+                    })
+                }
+            }
+            // Running, with every group fired: nothing requeued can fire anything, and the
+            // execution would stall once they end. It failed entering a stage.
+            if after.status == "running" && !dead_letters::any_unfired(&mut tx, execution).await? {
+                return Err(Error::ResumeMovesNothing {
                     execution,
-                    reason: after
-                        .error
-                        .unwrap_or_else(|| format!("it is {}", after.status)),
+                    error: failed_with.unwrap_or_else(|| "no error recorded".to_owned()),
                 });
             }
         }

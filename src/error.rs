@@ -100,6 +100,25 @@ pub enum Error {
         reason: String,
     },
 
+    /// Resuming the dead letter's execution could not move it on: every stage it entered
+    /// has fired, so what the resume would requeue (members of stages that went on
+    /// without them) can fire nothing. It failed on entering a stage, not on a task (a
+    /// map joined `any` or `at_least(k)` over fewer than k elements, a branch without a
+    /// matching arm), and no reprocess undoes that. Nothing was requeued; the dead letter
+    /// stays.
+    #[error(
+        "execution {execution} cannot be resumed: it failed on entering a stage ({error}), \
+         and every stage it entered has fired, so nothing a reprocess requeues can move it \
+         on; the dead letter stays (cancel the execution, or start a new one with an input \
+         that avoids this)"
+    )]
+    ResumeMovesNothing {
+        /// The execution.
+        execution: crate::ExecutionId,
+        /// The failure it stays failed with.
+        error: String,
+    },
+
     /// A worker was started without a handler for a stage (or branch) of a workflow it serves.
     #[error(
         "workflow {workflow} v{version} needs a handler named {handler:?}, and the worker has none"

@@ -323,11 +323,13 @@ async fn run(case: &Case) -> Result<(), String> {
                     match engine.reprocess(letter.task_id).await {
                         Ok(_) => {}
                         // Taken by a resume of another, or the execution ended meanwhile.
-                        // A resume that would fail it again at once (a map after it that
-                        // can never fire) is refused, and the execution stays failed.
+                        // A resume that would fail it again at once, or could move nothing
+                        // (it failed entering a map that can never fire), is refused, and
+                        // the execution stays failed.
                         Err(confluo::Error::NotDeadLettered { .. })
                         | Err(confluo::Error::ExecutionNotResumable { .. })
-                        | Err(confluo::Error::ResumeFailsAtOnce { .. }) => {}
+                        | Err(confluo::Error::ResumeFailsAtOnce { .. })
+                        | Err(confluo::Error::ResumeMovesNothing { .. }) => {}
                         Err(e) => return Err(format!("reprocess: {e}")),
                     }
                 }

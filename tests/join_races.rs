@@ -323,3 +323,62 @@ async fn members_claimed_as_their_quorum_fires_end_cancelled_and_are_never_run_a
     let diagnosis = db.engine.doctor().await.unwrap();
     assert!(diagnosis.is_healthy(), "{diagnosis:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_quorum_met_while_failed_on_the_last_stage_completes_the_execution_on_resume() {
+    let db = TestDb::new(10).await;
+    let wf = Workflow::new("resume_last", 1).stage(
+        Stage::map("m")
+            .join(Join::Any)
+            .fail_execution_on_member_failure(),
+    );
+    db.register(&wf).await;
+    let id = db
+        .engine
+        .start("resume_last", &json!([0, 1]))
+        .await
+        .unwrap();
+    let m = claim_members(&db, "resume_last", "m", 2).await;
+    db.engine.fail(&m[0], "down", true).await.unwrap();
+    db.engine.complete(&m[1], json!("one")).await.unwrap();
+    // The resume fires the last stage's group: the execution completes, in the
+    // reprocess's own transaction.
+    let done = db.engine.reprocess(m[0].id()).await.unwrap();
+    assert!(done.resumed && done.group_fired, "{done:?}");
+    let end = db.engine.execution(id).await.unwrap();
+    assert_eq!(end.status, ExecutionStatus::Completed, "{end:?}");
+    assert_eq!(end.output.unwrap()["outputs"], json!(["one"]));
+}
+
+#[tokio::test]
+async fn a_resume_that_could_move_nothing_is_refused() {
+    let db = TestDb::new(6).await;
+    // `m` lets members fail; `q`, a map joined `any` over what `m` passed on, can never
+    // fire when nothing was: the execution fails entering it, not on a task.
+    let wf = Workflow::new("moves_nothing", 1)
+        .stage(Stage::map("m"))
+        .stage(Stage::map("q").join(Join::Any));
+    db.register(&wf).await;
+    let id = db.engine.start("moves_nothing", &json!([0])).await.unwrap();
+    let m = claim_members(&db, "moves_nothing", "m", 1).await;
+    db.engine.fail(&m[0], "down", true).await.unwrap();
+    let failed = db.engine.execution(id).await.unwrap();
+    assert_eq!(failed.status, ExecutionStatus::Failed, "{failed:?}");
+    assert!(failed.error.as_deref().unwrap().contains("can never fire"));
+    // Reprocessing m's dead member would run it again in a group that fired, and then
+    // stall: refused, and nothing changes.
+    match db.engine.reprocess(m[0].id()).await {
+        Err(confluo::Error::ResumeMovesNothing { execution, error }) => {
+            assert_eq!(execution, id);
+            assert!(error.contains("can never fire"), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        db.engine.execution(id).await.unwrap().status,
+        ExecutionStatus::Failed
+    );
+    assert_eq!(statuses(&db, id, "m").await, ["dead"]);
+    let diagnosis = db.engine.doctor().await.unwrap();
+    assert!(diagnosis.is_healthy(), "{diagnosis:?}");
+}

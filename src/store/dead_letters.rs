@@ -200,6 +200,21 @@ pub(crate) async fn joined_unfired(
     .await?)
 }
 
+/// Whether the execution has a group with members that has not fired: something a
+/// requeued member can still move on.
+pub(crate) async fn any_unfired(
+    conn: &mut PgConnection,
+    execution_id: ExecutionId,
+) -> Result<bool> {
+    Ok(super::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM confluo.stage_group
+                         WHERE execution_id = $1 AND fired_at IS NULL AND width > 0)",
+    )
+    .bind(execution_id)
+    .fetch_one(conn)
+    .await?)
+}
+
 /// Those of `ids` still waiting in the queue (not cancelled since, by a firing).
 pub(crate) async fn still_queued(conn: &mut PgConnection, ids: &[TaskId]) -> Result<Vec<TaskId>> {
     Ok(super::query_scalar(
