@@ -43,7 +43,8 @@ class ApiError extends Error {
 }
 
 async function api(path, options = {}) {
-  const headers = { ...(options.headers || {}) };
+  // Every call names its client: a write without it is refused as cross-site.
+  const headers = { ...(options.headers || {}), "X-Confluo-Client": "dashboard" };
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.Authorization = `Bearer ${token}`;
   if (options.body !== undefined) headers["Content-Type"] = "application/json";

@@ -1,7 +1,10 @@
 //! The guard in front of every route: the bearer token, when one is configured (the
 //! health and readiness probes and the dashboard's files, which hold no data, excepted),
 //! and the write switch; without a token, a guard against DNS rebinding (loopback
-//! `Host` names only).
+//! `Host` names only); and, token or not, a guard against cross-site writes (CSRF): a
+//! write must come from the same origin (`Sec-Fetch-Site`, `Origin`) and carry what no
+//! cross-site form can send without the browser asking first (a JSON content type, or
+//! the [`CLIENT_HEADER`]).
 
 use axum::extract::{Request, State};
 use axum::http::{header, Method, StatusCode};
@@ -10,6 +13,11 @@ use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq;
 
 use crate::{ApiError, AppState};
+
+/// A header any client of the API may send on a write instead of a JSON content type
+/// (a write without a body: cancel, reprocess, retry). A cross-site page cannot set it
+/// without a CORS preflight, which this server never answers.
+pub const CLIENT_HEADER: &str = "x-confluo-client";
 
 /// Paths a load balancer or orchestrator probes without credentials.
 const PROBES: [&str; 2] = ["/api/v1/health", "/api/v1/ready"];
@@ -40,6 +48,11 @@ pub(crate) async fn guard(State(state): State<AppState>, request: Request, next:
         .into_response();
     }
     let reads = [Method::GET, Method::HEAD, Method::OPTIONS];
+    if !reads.contains(request.method()) {
+        if let Some(refusal) = cross_site(&request) {
+            return refusal.into_response();
+        }
+    }
     if !state.writes && !reads.contains(request.method()) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
@@ -50,6 +63,53 @@ pub(crate) async fn guard(State(state): State<AppState>, request: Request, next:
         .into_response();
     }
     next.run(request).await
+}
+
+/// Why a write must be refused as cross-site, if it must: a browser says it comes from
+/// another site (`Sec-Fetch-Site`), or names another origin (`Origin`, or `null`), or it
+/// carries neither a JSON content type nor [`CLIENT_HEADER`] (what a cross-site form,
+/// which may only send `application/x-www-form-urlencoded`, `multipart/form-data` or
+/// `text/plain` without a preflight, cannot add).
+fn cross_site(request: &Request) -> Option<ApiError> {
+    let headers = request.headers();
+    let refuse = |why: &str| {
+        Some(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "cross_site_write",
+            format!(
+                "this write is refused as cross-site (CSRF): {why}; send writes from the \
+                 dashboard's own origin, or from a client that sets `Content-Type: \
+                 application/json` or the `{CLIENT_HEADER}` header"
+            ),
+        ))
+    };
+    if let Some(site) = headers.get("sec-fetch-site") {
+        let site = site.to_str().unwrap_or("cross-site");
+        if site != "same-origin" && site != "none" {
+            return refuse(&format!("the browser says it comes from a {site} page"));
+        }
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let origin = origin.to_str().unwrap_or("null");
+        let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+        let same = host.is_some_and(|host| {
+            origin.split_once("://").is_some_and(|(scheme, rest)| {
+                matches!(scheme, "http" | "https") && rest.eq_ignore_ascii_case(host)
+            })
+        });
+        if !same {
+            return refuse(&format!("its origin {origin} is not this server's"));
+        }
+    }
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json && !headers.contains_key(CLIENT_HEADER) {
+        return refuse("it has neither a JSON content type nor the client header");
+    }
+    None
 }
 
 /// Whether the request's `Host` (if any: a browser always sends one) names loopback.

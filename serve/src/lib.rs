@@ -44,6 +44,7 @@ use std::sync::Arc;
 use axum::Router;
 use confluo::Engine;
 
+pub use auth::CLIENT_HEADER;
 pub use error::{ApiError, ServeError};
 pub use openapi::ApiDoc;
 

@@ -203,3 +203,84 @@ async fn ready_says_when_the_schema_is_missing() {
     let (status, body) = call(&app, Method::GET, "/api/v1/ready", None).await;
     assert_eq!((status, body), (StatusCode::OK, json!({"status": "ready"})));
 }
+
+/// A cross-site form cannot write, token or not: the request a page on another origin
+/// sends (`Origin`, `Sec-Fetch-Site`, a form's content type) is refused, and the
+/// execution it aimed at runs on; the dashboard's own calls and API clients go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_site_writes_are_refused() {
+    let engine = engine("confluo_serve_csrf").await;
+    engine
+        .register(&Workflow::new("csrf", 1).step("one"))
+        .await
+        .unwrap();
+    let id = engine.start("csrf", &json!(null)).await.unwrap();
+    let cancel = format!("/api/v1/executions/{id}/cancel");
+    for config in [local(), local().token("s3cret")] {
+        let app = confluo_serve::router(engine.clone(), &config).unwrap();
+        let form = |origin: Option<&str>, site: Option<&str>, kind: &str| {
+            let mut request = Request::post(cancel.as_str())
+                .header(header::HOST, "127.0.0.1:8080")
+                .header(header::CONTENT_TYPE, kind)
+                .header(header::AUTHORIZATION, "Bearer s3cret");
+            if let Some(origin) = origin {
+                request = request.header(header::ORIGIN, origin);
+            }
+            if let Some(site) = site {
+                request = request.header("sec-fetch-site", site);
+            }
+            request.body(Body::from("a=1")).unwrap()
+        };
+        let refused = [
+            // What a form on evil.example posts.
+            form(
+                Some("http://evil.example"),
+                Some("cross-site"),
+                "application/x-www-form-urlencoded",
+            ),
+            // An older browser: no Sec-Fetch-Site, another origin.
+            form(Some("http://evil.example"), None, "text/plain"),
+            // A sandboxed frame.
+            form(Some("null"), None, "application/x-www-form-urlencoded"),
+            // A page on another port of this machine is another site too.
+            form(
+                Some("http://127.0.0.1:9999"),
+                Some("same-site"),
+                "text/plain",
+            ),
+            // No origin named, but a form's content type and no client header.
+            form(None, None, "multipart/form-data; boundary=x"),
+        ];
+        for request in refused {
+            let response = app.clone().oneshot(request).await.unwrap();
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+            assert_eq!(body["code"], "cross_site_write", "{body}");
+        }
+        assert_eq!(
+            engine.status(id).await.unwrap(),
+            confluo::ExecutionStatus::Running
+        );
+    }
+    // The dashboard's own call: same origin, the client header.
+    let app = confluo_serve::router(engine.clone(), &local()).unwrap();
+    let response = app
+        .oneshot(
+            Request::post(cancel.as_str())
+                .header(header::HOST, "127.0.0.1:8080")
+                .header(header::ORIGIN, "http://127.0.0.1:8080")
+                .header("sec-fetch-site", "same-origin")
+                .header(confluo_serve::CLIENT_HEADER, "dashboard")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        engine.status(id).await.unwrap(),
+        confluo::ExecutionStatus::Cancelled
+    );
+}
