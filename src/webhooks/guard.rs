@@ -45,9 +45,10 @@ pub(crate) fn is_public(ip: IpAddr) -> bool {
             let embedded = |hi: u16, lo: u16| {
                 std::net::Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8)
             };
-            // IPv4 inside IPv6: NAT64 (64:ff9b::/96), IPv4-compatible (::a.b.c.d), 6to4
-            // (2002::/16): the IPv4 address decides.
-            if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || (seg[..6] == [0; 6] && seg[6] != 0) {
+            // IPv4 inside IPv6: NAT64 (64:ff9b::/96), IPv4-compatible (::a.b.c.d, ::1 and
+            // :: included: 0.0.0.0/8 is never public), 6to4 (2002::/16): the IPv4 address
+            // decides.
+            if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || seg[..6] == [0; 6] {
                 return is_public(IpAddr::V4(embedded(seg[6], seg[7])));
             }
             if seg[0] == 0x2002 {
@@ -60,7 +61,12 @@ pub(crate) fn is_public(ip: IpAddr) -> bool {
                 || (seg[0] & 0xffc0) == 0xfe80 // link-local
                 || (seg[0] & 0xffc0) == 0xfec0 // site-local (deprecated)
                 || (seg[0] == 0x2001 && seg[1] == 0) // Teredo
-                || (seg[0] == 0x2001 && seg[1] == 0x0db8)) // documentation
+                || (seg[0] == 0x2001 && seg[1] == 0x0db8) // documentation
+                || (seg[0] == 0x3fff && seg[1] < 0x1000) // documentation (3fff::/20)
+                || (seg[..3] == [0x64, 0xff9b, 1]) // local-use translation (64:ff9b:1::/48)
+                || (seg[..4] == [0x100, 0, 0, 0]) // discard-only (100::/64)
+                || (seg[..3] == [0x2001, 2, 0]) // benchmarking (2001:2::/48)
+                || (seg[0] == 0x2001 && (0x10..0x30).contains(&seg[1]))) // ORCHID (v2)
         }
     }
 }
@@ -125,6 +131,15 @@ mod tests {
             "::10.0.0.1",
             "2002:7f00:1::",
             "2001:0:4136:e378::1",
+            "64:ff9b:1::a00:1",
+            "64:ff9b:1:ffff::1",
+            "::0.0.1.2",
+            "::",
+            "100::1",
+            "2001:2::1",
+            "2001:10::1",
+            "2001:20::1",
+            "3fff::1",
             "127.0.0.1",
             "10.1.2.3",
             "172.16.0.1",
