@@ -93,6 +93,8 @@ impl From<confluo::Error> for ApiError {
             E::NotDeadLettered { .. } => (StatusCode::CONFLICT, "not_dead_lettered"),
             E::ExecutionNotResumable { .. } => (StatusCode::CONFLICT, "execution_not_resumable"),
             E::DeadlinePassed { .. } => (StatusCode::CONFLICT, "deadline_passed"),
+            E::ResumeFailsAtOnce { .. } => (StatusCode::CONFLICT, "resume_fails_at_once"),
+            E::ResumeMovesNothing { .. } => (StatusCode::CONFLICT, "resume_moves_nothing"),
             E::InvalidInput { .. } => (StatusCode::BAD_REQUEST, "invalid_input"),
             E::InvalidCallback { .. } => (StatusCode::BAD_REQUEST, "invalid_callback"),
             E::MapTooWide { .. } => (StatusCode::BAD_REQUEST, "map_too_wide"),
@@ -107,6 +109,38 @@ impl From<confluo::Error> for ApiError {
         if status.is_server_error() {
             tracing::warn!(%error, code, "API request failed");
         }
-        ApiError::new(status, code, error.to_string())
+        // A server error's text can name the database's host and port, a table, a
+        // statement: it goes to the log above, and the client gets a stable answer.
+        let message = match code {
+            "not_migrated" => error.to_string(),
+            "database_unavailable" => "PostgreSQL does not answer this server right now; \
+                try again shortly (the server's log says why)"
+                .to_owned(),
+            _ if status.is_server_error() => "the server could not answer this request; its \
+                log has the error, under the code `internal`"
+                .to_owned(),
+            _ => error.to_string(),
+        };
+        ApiError::new(status, code, message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_error_tells_the_client_nothing_of_the_database() {
+        let leaky = "error returned from database: relation \"confluo.task\" is locked \
+                     at 10.1.2.3:5432";
+        for error in [
+            confluo::Error::Database(sqlx::Error::Protocol(leaky.into())),
+            confluo::Error::Database(sqlx::Error::Io(std::io::Error::other(leaky))),
+        ] {
+            let answer = ApiError::from(error);
+            assert!(answer.status >= 500, "{answer:?}");
+            assert!(!answer.message.contains("10.1.2.3"), "{answer:?}");
+            assert!(!answer.message.contains("confluo.task"), "{answer:?}");
+        }
     }
 }
