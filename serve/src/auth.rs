@@ -6,7 +6,9 @@
 //! cross-site form can send without the browser asking first (a JSON content type, or
 //! the [`CLIENT_HEADER`]).
 
-use axum::extract::{Request, State};
+use std::net::SocketAddr;
+
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{header, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -23,9 +25,9 @@ pub const CLIENT_HEADER: &str = "x-confluo-client";
 const PROBES: [&str; 2] = ["/api/v1/health", "/api/v1/ready"];
 
 pub(crate) async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let path = request.uri().path();
+    let open = PROBES.contains(&path) || crate::dashboard::is_dashboard(path);
     if let Some(token) = &state.token {
-        let path = request.uri().path();
-        let open = PROBES.contains(&path) || crate::dashboard::is_dashboard(path);
         if !open && !bearer_matches(&request, token) {
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -34,6 +36,14 @@ pub(crate) async fn guard(State(state): State<AppState>, request: Request, next:
                  was started with, from CONFLUO_API_TOKEN)",
             )
             .into_response();
+        }
+    }
+    // Without a token the API answers this machine only: the real peer (not the listen
+    // address, nor a `Host` header, which say nothing of who connected) must be loopback,
+    // and not a proxy forwarding someone else's request.
+    if state.token.is_none() && !state.open_beyond_loopback && !open {
+        if let Some(refusal) = not_from_this_machine(&request) {
+            return refusal.into_response();
         }
     }
     // Without a token the API is open to whoever reaches loopback, which a web page can
@@ -63,6 +73,50 @@ pub(crate) async fn guard(State(state): State<AppState>, request: Request, next:
         .into_response();
     }
     next.run(request).await
+}
+
+/// Headers a reverse proxy adds: a request that carries one was forwarded for someone
+/// else, whatever the peer's address.
+const FORWARDED: [&str; 3] = ["forwarded", "x-forwarded-for", "x-real-ip"];
+
+/// Why a request must be refused by a server without a token, if it must: its peer is not
+/// loopback, or is not known (the router was served without connect info), or it was
+/// forwarded by a proxy.
+fn not_from_this_machine(request: &Request) -> Option<ApiError> {
+    let refuse = |why: String| {
+        Some(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "token_required",
+            format!(
+                "without a token this API answers only requests from this machine, and {why}: \
+                 set a token (CONFLUO_API_TOKEN for `confluo serve`, Config::token)"
+            ),
+        ))
+    };
+    let peer = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+    match peer {
+        None => refuse(
+            "this server cannot tell who connected (serve the router with \
+             `into_make_service_with_connect_info::<SocketAddr>()`, as `confluo_serve::serve` does)"
+                .to_owned(),
+        ),
+        Some(peer) if !peer.ip().is_loopback() => {
+            refuse(format!("this request came from {}", peer.ip()))
+        }
+        Some(_) => match FORWARDED
+            .iter()
+            .find(|h| request.headers().contains_key(**h))
+        {
+            Some(header) => refuse(format!(
+                "this one came through a proxy (it carries `{header}`): behind a proxy, \
+                 every request needs the token"
+            )),
+            None => None,
+        },
+    }
 }
 
 /// Why a write must be refused as cross-site, if it must: a browser says it comes from

@@ -17,7 +17,9 @@
 //! # Security
 //! It listens on 127.0.0.1 by default. Listening on any other address requires a bearer
 //! token ([`Config::token`]): every request but the health and readiness probes must then
-//! carry `Authorization: Bearer <token>`. Write endpoints (start, cancel, signal,
+//! carry `Authorization: Bearer <token>`. Without a token, whatever the address, it
+//! answers only requests whose peer is loopback and that no proxy forwarded
+//! ([`Config::insecure_open_to_anyone_without_a_token`] is the loud way out). Write endpoints (start, cancel, signal,
 //! reprocess) can be turned off ([`Config::read_only`]); they then answer 403.
 //!
 //! # Errors
@@ -57,6 +59,7 @@ pub struct Config {
     listen: SocketAddr,
     token: Option<String>,
     writes: bool,
+    open_beyond_loopback: bool,
 }
 
 impl std::fmt::Debug for Config {
@@ -65,6 +68,7 @@ impl std::fmt::Debug for Config {
             .field("listen", &self.listen)
             .field("token", &self.token.as_ref().map(|_| "<set>"))
             .field("writes", &self.writes)
+            .field("open_beyond_loopback", &self.open_beyond_loopback)
             .finish()
     }
 }
@@ -77,7 +81,18 @@ impl Config {
             listen,
             token: None,
             writes: true,
+            open_beyond_loopback: false,
         }
+    }
+
+    /// **Insecure**: without a token, answers anyone who can reach it, from any address
+    /// and through any proxy, with read and (unless [`read_only`](Self::read_only)) write
+    /// access to every execution. Without this, a server with no token answers only
+    /// requests whose peer is loopback and that no proxy forwarded, whatever address it
+    /// listens on. For a network you trust entirely; a token is almost always better.
+    pub fn insecure_open_to_anyone_without_a_token(mut self) -> Self {
+        self.open_beyond_loopback = true;
+        self
     }
 
     /// Requires `Authorization: Bearer <token>` on every request but the health and
@@ -107,9 +122,11 @@ impl Config {
     pub fn check(&self) -> Result<(), ServeError> {
         match &self.token {
             Some(token) if token.trim().is_empty() => Err(ServeError::EmptyToken),
-            None if !self.listen.ip().is_loopback() => Err(ServeError::TokenRequired {
-                listen: self.listen,
-            }),
+            None if !self.listen.ip().is_loopback() && !self.open_beyond_loopback => {
+                Err(ServeError::TokenRequired {
+                    listen: self.listen,
+                })
+            }
             _ => Ok(()),
         }
     }
@@ -121,13 +138,16 @@ pub(crate) struct AppState {
     pub(crate) engine: Engine,
     pub(crate) token: Option<Arc<str>>,
     pub(crate) writes: bool,
+    pub(crate) open_beyond_loopback: bool,
     pub(crate) activity: Arc<activity::Cached>,
     pub(crate) queue_history: Arc<history::QueueHistory>,
 }
 
 /// The API's routes under `/api/v1` and the dashboard, checked against `config` (the
 /// token rule, the write switch). The listen address is not used here: mount it where you
-/// like. Called inside a tokio runtime, it also samples the queue's depth every 15 s for
+/// like, but without a token it answers only loopback peers, which it learns from axum's
+/// `ConnectInfo`: serve it with `into_make_service_with_connect_info::<SocketAddr>()`
+/// (otherwise every request is refused, 403 `token_required`). Called inside a tokio runtime, it also samples the queue's depth every 15 s for
 /// the stats' last hour (until the router is dropped).
 ///
 /// # Errors
@@ -140,8 +160,15 @@ pub fn router(engine: Engine, config: &Config) -> Result<Router, ServeError> {
         engine,
         token: config.token.as_deref().map(Arc::from),
         writes: config.writes,
+        open_beyond_loopback: config.open_beyond_loopback,
         activity: Arc::default(),
     };
+    if config.open_beyond_loopback && config.token.is_none() {
+        tracing::warn!(
+            "the API answers anyone who can reach it, without a token \
+             (Config::insecure_open_to_anyone_without_a_token)"
+        );
+    }
     Ok(api::routes(state))
 }
 
@@ -169,8 +196,11 @@ pub async fn serve(
             source,
         })?;
     tracing::info!(listen = %config.listen, writes = config.writes, "serving the API");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServeError::Io)
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+    .map_err(ServeError::Io)
 }

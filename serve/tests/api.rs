@@ -460,6 +460,7 @@ async fn errors_are_json_with_a_status_and_a_code() {
     }
     // A body that is not JSON at all.
     let request = Request::post("/api/v1/executions")
+        .extension(common::loopback_peer())
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from("{not json"))
         .unwrap();

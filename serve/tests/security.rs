@@ -6,7 +6,7 @@ mod common;
 
 use axum::body::Body;
 use axum::http::{header, Method, Request, StatusCode};
-use common::{assert_error, call, call_with, engine, local};
+use common::{assert_error, call, call_with, engine, local, loopback_peer};
 use confluo::Workflow;
 use confluo_serve::{Config, ServeError};
 use http_body_util::BodyExt;
@@ -91,6 +91,7 @@ async fn the_token_and_the_write_switch() {
             .oneshot(
                 Request::get("/api/v1/executions")
                     .header(header::HOST, host)
+                    .extension(loopback_peer())
                     .body(Body::empty())
                     .unwrap(),
             )
@@ -220,6 +221,7 @@ async fn cross_site_writes_are_refused() {
         let app = confluo_serve::router(engine.clone(), &config).unwrap();
         let form = |origin: Option<&str>, site: Option<&str>, kind: &str| {
             let mut request = Request::post(cancel.as_str())
+                .extension(loopback_peer())
                 .header(header::HOST, "127.0.0.1:8080")
                 .header(header::CONTENT_TYPE, kind)
                 .header(header::AUTHORIZATION, "Bearer s3cret");
@@ -269,6 +271,7 @@ async fn cross_site_writes_are_refused() {
     let response = app
         .oneshot(
             Request::post(cancel.as_str())
+                .extension(loopback_peer())
                 .header(header::HOST, "127.0.0.1:8080")
                 .header(header::ORIGIN, "http://127.0.0.1:8080")
                 .header("sec-fetch-site", "same-origin")
@@ -283,4 +286,78 @@ async fn cross_site_writes_are_refused() {
         engine.status(id).await.unwrap(),
         confluo::ExecutionStatus::Cancelled
     );
+}
+
+/// Without a token, the API answers this machine only, judged by the real peer: not the
+/// listen address (a router mounted on 0.0.0.0 with a loopback config), nor a loopback
+/// `Host` (what a same-host reverse proxy sends by default). A peer beyond loopback, a
+/// request a proxy forwarded, and a router served without connect info are refused;
+/// the probes still answer; a token, or the loudly named opt-in, opens it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_only_this_machine_is_answered() {
+    let engine = engine("confluo_serve_peer").await;
+    let app = confluo_serve::router(engine.clone(), &local()).unwrap();
+    let get = |peer: Option<[u8; 4]>, forwarded: Option<(&'static str, &'static str)>| {
+        let mut request = Request::get("/api/v1/executions").header(header::HOST, "127.0.0.1:8080");
+        if let Some(ip) = peer {
+            request = request.extension(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                ip, 50_000,
+            ))));
+        }
+        if let Some((name, value)) = forwarded {
+            request = request.header(name, value);
+        }
+        request.body(Body::empty()).unwrap()
+    };
+    let status_and_code = |app: axum::Router, request: Request<Body>| async move {
+        let response = app.oneshot(request).await.unwrap();
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        (status, body["code"].as_str().unwrap_or_default().to_owned())
+    };
+    let refused = [
+        get(Some([203, 0, 113, 7]), None),
+        get(Some([10, 0, 0, 2]), None),
+        get(
+            Some([127, 0, 0, 1]),
+            Some(("x-forwarded-for", "203.0.113.7")),
+        ),
+        get(Some([127, 0, 0, 1]), Some(("forwarded", "for=203.0.113.7"))),
+        get(Some([127, 0, 0, 1]), Some(("x-real-ip", "203.0.113.7"))),
+        get(None, None),
+    ];
+    for request in refused {
+        let (status, code) = status_and_code(app.clone(), request).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (StatusCode::FORBIDDEN, "token_required")
+        );
+    }
+    let (status, _) = status_and_code(app.clone(), get(Some([127, 0, 0, 1]), None)).await;
+    assert_eq!(status, StatusCode::OK);
+    // The probes answer anyone.
+    let probe = Request::get("/api/v1/health")
+        .extension(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+            [203, 0, 113, 7],
+            50_000,
+        ))))
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(status_and_code(app.clone(), probe).await.0, StatusCode::OK);
+    // A token lets a proxied request through; so does the opt-in, loudly named.
+    let with_token = confluo_serve::router(engine.clone(), &local().token("s3cret")).unwrap();
+    let mut request = get(
+        Some([127, 0, 0, 1]),
+        Some(("x-forwarded-for", "203.0.113.7")),
+    );
+    request
+        .headers_mut()
+        .insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+    assert_eq!(status_and_code(with_token, request).await.0, StatusCode::OK);
+    let open = confluo_serve::Config::new("0.0.0.0:8080".parse().unwrap())
+        .insecure_open_to_anyone_without_a_token();
+    let open = confluo_serve::router(engine.clone(), &open).unwrap();
+    let (status, _) = status_and_code(open, get(Some([203, 0, 113, 7]), None)).await;
+    assert_eq!(status, StatusCode::OK);
 }

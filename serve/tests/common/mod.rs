@@ -34,6 +34,11 @@ pub fn local() -> Config {
     Config::new("127.0.0.1:0".parse().unwrap())
 }
 
+/// What axum's connect info says of a client on this machine.
+pub fn loopback_peer() -> axum::extract::ConnectInfo<std::net::SocketAddr> {
+    axum::extract::ConnectInfo(([127, 0, 0, 1], 40_000).into())
+}
+
 /// Sends one request; returns its status and JSON body (`null` when empty).
 pub async fn call(
     app: &Router,
@@ -51,7 +56,11 @@ pub async fn call_with(
     body: Option<Value>,
     token: Option<&str>,
 ) -> (StatusCode, Value) {
-    let mut request = Request::builder().method(method).uri(uri);
+    // As `confluo_serve::serve` serves it: the peer known, here this machine.
+    let mut request = Request::builder()
+        .method(method)
+        .uri(uri)
+        .extension(loopback_peer());
     if let Some(token) = token {
         request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
     }
