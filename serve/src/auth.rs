@@ -40,15 +40,17 @@ pub(crate) async fn guard(State(state): State<AppState>, request: Request, next:
     }
     // Without a token the API answers this machine only: the real peer (not the listen
     // address, nor a `Host` header, which say nothing of who connected) must be loopback,
-    // and not a proxy forwarding someone else's request.
+    // and not a proxy that says it forwards someone else's request (one that adds no
+    // forwarding header cannot be told from a local client: behind a proxy, set a token).
     if state.token.is_none() && !state.open_beyond_loopback && !open {
         if let Some(refusal) = not_from_this_machine(&request) {
             return refusal.into_response();
         }
     }
     // Without a token the API is open to whoever reaches loopback, which a web page can
-    // do by rebinding its own name to 127.0.0.1: only loopback names are answered then.
-    if state.token.is_none() && !loopback_host(&request) {
+    // do by rebinding its own name to 127.0.0.1: only loopback names are answered then
+    // (unless it was opened to anyone, rebinding included).
+    if state.token.is_none() && !state.open_beyond_loopback && !loopback_host(&request) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
             "host_not_allowed",
@@ -143,14 +145,22 @@ fn cross_site(request: &Request) -> Option<ApiError> {
             return refuse(&format!("the browser says it comes from a {site} page"));
         }
     }
-    if let Some(origin) = headers.get(header::ORIGIN) {
+    // A browser that says same-origin has decided; otherwise the origin must name this
+    // server as the request reached it (`Host`) or as a proxy says it was asked for
+    // (`X-Forwarded-Host`: behind a proxy, `Host` is often the upstream's).
+    let same_origin = headers
+        .get("sec-fetch-site")
+        .is_some_and(|s| s.as_bytes() == b"same-origin");
+    if let (false, Some(origin)) = (same_origin, headers.get(header::ORIGIN)) {
         let origin = origin.to_str().unwrap_or("null");
-        let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
-        let same = host.is_some_and(|host| {
-            origin.split_once("://").is_some_and(|(scheme, rest)| {
-                matches!(scheme, "http" | "https") && rest.eq_ignore_ascii_case(host)
-            })
-        });
+        let same = [header::HOST.as_str(), "x-forwarded-host"]
+            .into_iter()
+            .filter_map(|h| headers.get(h).and_then(|v| v.to_str().ok()))
+            .any(|host| {
+                origin.split_once("://").is_some_and(|(scheme, rest)| {
+                    matches!(scheme, "http" | "https") && rest.eq_ignore_ascii_case(host)
+                })
+            });
         if !same {
             return refuse(&format!("its origin {origin} is not this server's"));
         }

@@ -18,8 +18,9 @@
 //! It listens on 127.0.0.1 by default. Listening on any other address requires a bearer
 //! token ([`Config::token`]): every request but the health and readiness probes must then
 //! carry `Authorization: Bearer <token>`. Without a token, whatever the address, it
-//! answers only requests whose peer is loopback and that no proxy forwarded
-//! ([`Config::insecure_open_to_anyone_without_a_token`] is the loud way out). Write endpoints (start, cancel, signal,
+//! answers only requests whose peer is loopback and that no proxy says it forwarded
+//! ([`Config::insecure_open_to_anyone_without_a_token`] is the loud way out). Behind a
+//! reverse proxy, set a token: one that adds no forwarding header looks local. Write endpoints (start, cancel, signal,
 //! reprocess) can be turned off ([`Config::read_only`]); they then answer 403.
 //!
 //! # Errors

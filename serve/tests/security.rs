@@ -266,6 +266,39 @@ async fn cross_site_writes_are_refused() {
             confluo::ExecutionStatus::Running
         );
     }
+    // Behind a proxy that sends the upstream's Host, the dashboard's write is told by its
+    // browser's word (same-origin) or the proxy's (X-Forwarded-Host).
+    let proxied = confluo_serve::router(engine.clone(), &local().token("s3cret")).unwrap();
+    for (site, forwarded_host) in [
+        (Some("same-origin"), None),
+        (None, Some("confluo.example.com")),
+    ] {
+        let mut request = Request::post(format!(
+            "/api/v1/executions/{}/cancel",
+            uuid::Uuid::new_v4()
+        ))
+        .header(header::HOST, "127.0.0.1:8080")
+        .header(header::ORIGIN, "https://confluo.example.com")
+        .header(header::AUTHORIZATION, "Bearer s3cret")
+        .header(confluo_serve::CLIENT_HEADER, "dashboard");
+        if let Some(site) = site {
+            request = request.header("sec-fetch-site", site);
+        }
+        if let Some(host) = forwarded_host {
+            request = request.header("x-forwarded-host", host);
+        }
+        let response = proxied
+            .clone()
+            .oneshot(request.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        // Past the guard: that execution does not exist.
+        assert_eq!(
+            response.status(),
+            StatusCode::NOT_FOUND,
+            "{site:?} {forwarded_host:?}"
+        );
+    }
     // The dashboard's own call: same origin, the client header.
     let app = confluo_serve::router(engine.clone(), &local()).unwrap();
     let response = app
@@ -358,6 +391,10 @@ async fn without_a_token_only_this_machine_is_answered() {
     let open = confluo_serve::Config::new("0.0.0.0:8080".parse().unwrap())
         .insecure_open_to_anyone_without_a_token();
     let open = confluo_serve::router(engine.clone(), &open).unwrap();
-    let (status, _) = status_and_code(open, get(Some([203, 0, 113, 7]), None)).await;
+    let mut remote = get(Some([203, 0, 113, 7]), None);
+    remote
+        .headers_mut()
+        .insert(header::HOST, "10.0.0.5:8080".parse().unwrap());
+    let (status, _) = status_and_code(open, remote).await;
     assert_eq!(status, StatusCode::OK);
 }
