@@ -80,7 +80,8 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); what was repaired before stays
-    /// repaired, and the round counts as run (the next one is due after `every`).
+    /// repaired, and the round counts as run (the next one is due after `every`, and
+    /// audits the next slice).
     ///
     /// # Cancel safety
     /// Each repair is a transaction of its own: dropped, what was repaired stays repaired
@@ -103,28 +104,9 @@ impl Engine {
             audited: executions.len(),
             ..AuditRound::default()
         };
-        if !executions.is_empty() {
-            let found = self.diagnose(Some(&executions)).await?;
-            if !found.is_healthy() {
-                for (execution, finding) in found.findings() {
-                    tracing::warn!(execution_id = %execution, finding, "the auditor found");
-                }
-                crate::metrics::audit_findings(&found);
-                round.found = found.len();
-                let repairs = self.repair_found(found, Some(&executions)).await?;
-                round.repaired = repairs.count();
-                let left = self.diagnose(Some(&executions)).await?;
-                let at = Utc::now();
-                for (execution_id, finding) in left.findings() {
-                    tracing::error!(%execution_id, finding, "the auditor could not repair");
-                    round.unrepaired.push(Unrepaired {
-                        execution_id,
-                        finding,
-                        at,
-                    });
-                }
-            }
-        }
+        // Recorded whatever happened, so that a slice whose audit keeps failing is not
+        // audited for ever: the next round takes the next one.
+        let audited = self.audit_slice(&executions, &mut round).await;
         crate::metrics::audit_round(round.repaired, round.unrepaired.len());
         let mut conn = self.pool().acquire().await?;
         auditor::finish_round(
@@ -136,7 +118,38 @@ impl Engine {
             &json!(round.unrepaired),
         )
         .await?;
+        audited?;
         Ok(Some(round))
+    }
+
+    /// Audits `executions`, repairs, and notes in `round` what it found, repaired and
+    /// left.
+    async fn audit_slice(&self, executions: &[ExecutionId], round: &mut AuditRound) -> Result<()> {
+        if executions.is_empty() {
+            return Ok(());
+        }
+        let found = self.diagnose(Some(executions)).await?;
+        if found.is_healthy() {
+            return Ok(());
+        }
+        for (execution, finding) in found.findings() {
+            tracing::warn!(execution_id = %execution, finding, "the auditor found");
+        }
+        crate::metrics::audit_findings(&found);
+        round.found = found.len();
+        let repairs = self.repair_found(found, Some(executions)).await?;
+        round.repaired = repairs.count();
+        let left = self.diagnose(Some(executions)).await?;
+        let at = Utc::now();
+        for (execution_id, finding) in left.findings() {
+            tracing::error!(%execution_id, finding, "the auditor could not repair");
+            round.unrepaired.push(Unrepaired {
+                execution_id,
+                finding,
+                at,
+            });
+        }
+        Ok(())
     }
 
     /// Where the auditor's rounds stand: when the last ran, what they found and repaired,

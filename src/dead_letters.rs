@@ -160,8 +160,8 @@ pub struct Reprocessed {
     /// Whether the execution had failed and is running again.
     pub resumed: bool,
     /// Every task put back in the queue: the reprocessed one, and with a resume the other
-    /// dead and cancelled members of the stage that failed; less those that a quorum
-    /// group fired by the resume cancelled at once.
+    /// dead and cancelled members of the stage that failed; less those of a quorum group
+    /// that fired (by the resume, or before) and so cancelled at once.
     pub requeued: Vec<TaskId>,
     /// The child executions started again for requeued members of a map of child
     /// workflows whose child had failed, been cancelled or timed out (each member waits
@@ -220,7 +220,11 @@ impl Engine {
     }
 
     /// Puts a dead-lettered task back in the queue with a fresh attempt budget and counts
-    /// its group back up, in one transaction. If its execution had failed, the execution
+    /// its group back up, in one transaction. A member of a quorum group
+    /// ([`Join::Any`](crate::Join), [`Join::AtLeast`](crate::Join)) that has fired is
+    /// cancelled instead (its output would never be passed on; nothing of a group runs
+    /// once its join went on): it leaves the dead letters, `requeued` leaves it out, and
+    /// `group_fired` is true. If its execution had failed, the execution
     /// runs again, and the other dead and cancelled members of the stage that failed are
     /// requeued with it. Safe against every concurrent completion: if the group fires
     /// before the reprocess commits, the next stage was dispatched with the member listed
@@ -334,7 +338,7 @@ impl Engine {
         if resume && deadline_passed {
             return Err(Error::DeadlinePassed { execution });
         }
-        let mut ids: Vec<TaskId> = requeued.iter().map(|r| r.id).collect();
+        let ids: Vec<TaskId> = requeued.iter().map(|r| r.id).collect();
         // What it failed with, which the resume clears.
         let failed_with = match resume {
             true => executions::get(&mut *tx, execution)
@@ -352,8 +356,13 @@ impl Engine {
             for (group, stage) in dead_letters::joined_unfired(&mut tx, execution).await? {
                 crate::dispatch::fire(self, &mut tx, execution, group, stage).await?;
             }
-            ids = dead_letters::still_queued(&mut tx, &ids).await?;
         }
+        // A member of a quorum group that went on without it is not run again (its output
+        // would never be passed on): cancelled at once, as the firing cancelled the rest.
+        if dead_letters::fired_quorum(&mut tx, own.group_id).await? {
+            crate::store::fan_in::cancel_unjoined(&mut tx, own.group_id).await?;
+        }
+        let ids = dead_letters::still_queued(&mut tx, &ids).await?;
         let restarted_children = crate::children::restart(self, &mut tx, &ids).await?;
         if resumed {
             // Entering what follows such a stage can fail the execution again, cancelling

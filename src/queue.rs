@@ -200,25 +200,30 @@ impl Engine {
         // holds: one at a time ([`cancel_claimed`](Self::cancel_claimed) first).
         let (quorum, plain): (Vec<&ClaimedTask>, Vec<&ClaimedTask>) =
             held.iter().partition(|t| self.in_quorum_stage(t));
+        // The batch first: one statement gives most of them back.
         let mut back = 0;
+        if !plain.is_empty() {
+            let ids: Vec<TaskId> = plain.iter().map(|t| t.id).collect();
+            let tokens: Vec<LeaseToken> = plain.iter().map(|t| t.lease).collect();
+            let released = {
+                let mut conn = self.pool().acquire().await?;
+                tasks::release_many(&mut conn, &ids, &tokens).await?
+            };
+            back += released.len();
+            for task in plain.iter().filter(|t| !released.contains(&t.id)) {
+                self.cancel_claimed(task).await?;
+            }
+        }
+        // Then each quorum member; one that fails comes back when its lease expires.
         for task in quorum {
-            back += usize::from(
-                retry_conflicts(|| self.give_back_once(task)).await? == GivenBack::Released,
-            );
+            match retry_conflicts(|| self.give_back_once(task)).await {
+                Ok(given) => back += usize::from(given == GivenBack::Released),
+                Err(error) => {
+                    tracing::warn!(%error, task_id = %task.id, "giving a task back failed")
+                }
+            }
         }
-        if plain.is_empty() {
-            return Ok(back);
-        }
-        let ids: Vec<TaskId> = plain.iter().map(|t| t.id).collect();
-        let tokens: Vec<LeaseToken> = plain.iter().map(|t| t.lease).collect();
-        let released = {
-            let mut conn = self.pool().acquire().await?;
-            tasks::release_many(&mut conn, &ids, &tokens).await?
-        };
-        for task in plain.iter().filter(|t| !released.contains(&t.id)) {
-            self.cancel_claimed(task).await?;
-        }
-        Ok(back + released.len())
+        Ok(back)
     }
 
     /// Whether the task's stage has a quorum join (or its definition is not at hand: then

@@ -382,3 +382,39 @@ async fn a_resume_that_could_move_nothing_is_refused() {
     let diagnosis = db.engine.doctor().await.unwrap();
     assert!(diagnosis.is_healthy(), "{diagnosis:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reprocessing_a_dead_member_of_a_fired_quorum_cancels_it_rather_than_run_it() {
+    let db = TestDb::new(6).await;
+    for strategy in QUORUM_STRATEGIES {
+        let name = format!("fired_dead_{strategy}");
+        let wf = Workflow::new(&name, 1)
+            .stage(Stage::map("m").join(Join::AtLeast(2)).fan_in(strategy))
+            .stage(Stage::step("next").fan_in(strategy));
+        db.register(&wf).await;
+        let id = db.engine.start(&name, &json!([0, 1, 2])).await.unwrap();
+        let m = claim_members(&db, &name, "m", 3).await;
+        db.engine.fail(&m[0], "down", true).await.unwrap();
+        db.engine.complete(&m[1], json!(1)).await.unwrap();
+        let fired = db.engine.complete(&m[2], json!(2)).await.unwrap();
+        assert_eq!(fired, Outcome::Completed { fired: true }, "{strategy}");
+        // The join went on without m0: reprocessing it would run it for nothing.
+        let done = db.engine.reprocess(m[0].id()).await.unwrap();
+        assert!(done.group_fired && !done.resumed, "{strategy}: {done:?}");
+        assert!(done.requeued.is_empty(), "{strategy}: {done:?}");
+        assert_eq!(
+            statuses(&db, id, "m").await,
+            ["cancelled", "completed", "completed"],
+            "{strategy}"
+        );
+        let again = db
+            .engine
+            .claim_for("test", &[(&name, "m")], 10, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert!(again.is_empty(), "{strategy}: {again:?}");
+        let diagnosis = db.engine.doctor().await.unwrap();
+        assert!(diagnosis.is_healthy(), "{strategy}: {diagnosis:?}");
+        db.engine.cancel(id).await.unwrap();
+    }
+}

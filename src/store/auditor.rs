@@ -47,7 +47,8 @@ pub(crate) async fn slice(
 
 /// Records a round: where the next starts (`None`: over), its counts, and what it left
 /// unrepaired among the executions it audited (`slice`), in place of what an earlier
-/// round had recorded for them; at most 100 entries are kept, the newest first.
+/// round had recorded for them (and dropping those of executions no longer running); at
+/// most 100 entries are kept, the newest first.
 pub(crate) async fn finish_round(
     conn: &mut PgConnection,
     cursor: Option<ExecutionId>,
@@ -66,6 +67,10 @@ pub(crate) async fn finish_round(
                             UNION ALL
                             SELECT x FROM jsonb_array_elements(a.unrepaired) x
                              WHERE NOT ((x ->> 'execution_id')::uuid = ANY($2))
+                               -- An execution that ended (a cancel, a repair) is done with.
+                               AND EXISTS (SELECT 1 FROM confluo.execution e
+                                            WHERE e.id = (x ->> 'execution_id')::uuid
+                                              AND e.status = 'running')
                             LIMIT 100) kept)",
     )
     .bind(cursor)

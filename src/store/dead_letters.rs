@@ -111,6 +111,17 @@ pub(crate) async fn group_fired(conn: &mut PgConnection, id: GroupId) -> Result<
     )
 }
 
+/// Whether a group is a quorum group ([`Join`](crate::Join)) that has fired: its join
+/// went on, and nothing of it runs again.
+pub(crate) async fn fired_quorum(conn: &mut PgConnection, id: GroupId) -> Result<bool> {
+    Ok(super::query_scalar(
+        "SELECT fired_at IS NOT NULL AND quorum IS NOT NULL FROM confluo.stage_group WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(conn)
+    .await?)
+}
+
 /// What a requeue did.
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct RequeuedRow {

@@ -346,9 +346,11 @@ fn output_sql(group_filter: &str) -> String {
     )
 }
 
-/// A member `t` still pending or running in a group that fired.
+/// A member `t` still pending or running in a quorum group that fired (a member requeued
+/// into a fired group of join `all` runs, and is listed as what it is).
 const UNJOINED_OPEN: &str = "t.status IN ('pending', 'running') AND EXISTS (
-    SELECT 1 FROM confluo.stage_group f WHERE f.id = t.group_id AND f.fired_at IS NOT NULL)";
+    SELECT 1 FROM confluo.stage_group f
+     WHERE f.id = t.group_id AND f.fired_at IS NOT NULL AND f.quorum IS NOT NULL)";
 
 /// The expression of [`output_sql`] for one group `g` (any row with its `id`, `kind` and
 /// `execution_id`).
