@@ -51,8 +51,13 @@
 //!
 //! The re-counting strategies (row-lock, and the naive
 //! demonstration) write the task's status and then lock the execution. They hold no
-//! stripe or group then, and the one task they hold is running, which no path that holds
-//! an execution waits for (a stop cancels pending tasks, a reprocess requeues dead ones).
+//! stripe or group then, and the one task they hold is running. One path that holds an
+//! execution does wait for a running task: the failure (or the reclaim of an expired
+//! lease) of a member of a fail-fast or quorum stage, which takes the execution first.
+//! Racing a row-lock completion of the same attempt (a late acknowledgement against the
+//! lease sweep), the two can deadlock; PostgreSQL detects it (40P01) and the loser is
+//! retried (`retry_conflicts`), about a second later. Countdown stages never do this: their
+//! completions that may fire take the execution first.
 
 use sqlx::PgConnection;
 
