@@ -140,9 +140,13 @@ pub async fn run(database_url: Option<&str>, args: Args) -> anyhow::Result<ExitC
 }
 
 /// The database to serve: `--database`, else the demo's with `--demo`, else the URL's.
+/// Only the demo's own database is created when missing; `--database` alone names an
+/// existing one, as on every other command (and through a pooler, this process may not
+/// create anything).
 async fn database_options(server: &Server, args: &Args) -> anyhow::Result<PgConnectOptions> {
     let name = match (&args.target.database, args.demo) {
-        (Some(name), _) => name.clone(),
+        (Some(name), false) => return Ok(server.admin().database(name)),
+        (Some(name), true) => name.clone(),
         (None, true) => "confluo_demo".to_owned(),
         (None, false) => return Ok(server.admin()),
     };

@@ -107,3 +107,33 @@ fn serve_refuses_the_network_without_a_token() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("token is empty"), "{stderr}");
 }
+
+/// `--database` names an existing database: a missing one is an error, never created
+/// (the demo's own database apart).
+#[test]
+fn serve_creates_no_database_it_is_pointed_at() {
+    for _ in 0..2 {
+        let mut serve = Command::new(env!("CARGO_BIN_EXE_confluo"))
+            .env("DATABASE_URL", server_url())
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", free_port())])
+            .args(["--database", "confluo_cli_no_such_database"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // It must stop by itself; one that serves (having created the database) is
+        // killed and fails the test.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while serve.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                serve.kill().unwrap();
+                panic!("serve kept running on a database it should not have found");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = serve.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(stderr.contains("does not exist"), "{stderr}");
+    }
+}
