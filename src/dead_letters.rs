@@ -359,7 +359,8 @@ impl Engine {
         }
         // A member of a quorum group that went on without it is not run again (its output
         // would never be passed on): cancelled at once, as the firing cancelled the rest.
-        if dead_letters::fired_quorum(&mut tx, own.group_id).await? {
+        let (group_fired, quorum) = dead_letters::group_fired(&mut tx, own.group_id).await?;
+        if group_fired && quorum {
             crate::store::fan_in::cancel_unjoined(&mut tx, own.group_id).await?;
         }
         let ids = dead_letters::still_queued(&mut tx, &ids).await?;
@@ -392,7 +393,6 @@ impl Engine {
                 });
             }
         }
-        let group_fired = dead_letters::group_fired(&mut tx, own.group_id).await?;
         tx.commit().await?;
         tracing::info!(
             task_id = %task,

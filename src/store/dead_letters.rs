@@ -101,21 +101,11 @@ pub(crate) async fn lock_execution(
     .await?)
 }
 
-/// Whether a group has fired.
-pub(crate) async fn group_fired(conn: &mut PgConnection, id: GroupId) -> Result<bool> {
-    Ok(
-        super::query_scalar("SELECT fired_at IS NOT NULL FROM confluo.stage_group WHERE id = $1")
-            .bind(id)
-            .fetch_one(conn)
-            .await?,
-    )
-}
-
-/// Whether a group is a quorum group ([`Join`](crate::Join)) that has fired: its join
-/// went on, and nothing of it runs again.
-pub(crate) async fn fired_quorum(conn: &mut PgConnection, id: GroupId) -> Result<bool> {
-    Ok(super::query_scalar(
-        "SELECT fired_at IS NOT NULL AND quorum IS NOT NULL FROM confluo.stage_group WHERE id = $1",
+/// Whether a group has fired, and whether it is a quorum group ([`Join`](crate::Join)):
+/// one that fired went on without its other members, and nothing of it runs again.
+pub(crate) async fn group_fired(conn: &mut PgConnection, id: GroupId) -> Result<(bool, bool)> {
+    Ok(super::query_as(
+        "SELECT fired_at IS NOT NULL, quorum IS NOT NULL FROM confluo.stage_group WHERE id = $1",
     )
     .bind(id)
     .fetch_one(conn)

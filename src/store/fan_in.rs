@@ -463,10 +463,11 @@ pub(crate) const HELD_EXPIRIES: i32 = 3;
 /// Records a failed attempt: schedules a retry with backoff (from the policy persisted on
 /// the row), or dead-letters the task when attempts are exhausted or the error is
 /// permanent, or cancels it when its execution has stopped or its quorum group fired
-/// without it (for a quorum stage, the caller holds the execution's lock: [`UNJOINED`]). A terminal outcome counts the
-/// group down in the same statement. With `only_if_expired`, the lease must have expired
-/// (reclaiming), so a renewal that won the race keeps the attempt alive, and the attempt's
-/// token is cleared: its late acknowledgements are `LeaseLost`, not replays. A reclaimed
+/// without it (for a quorum stage, the caller holds the execution's lock: [`UNJOINED`]).
+/// A terminal outcome counts the group down in the same statement. With
+/// `only_if_expired`, the lease must have expired (reclaiming), so a renewal that won the
+/// race keeps the attempt alive, and the attempt's token is cleared: its late
+/// acknowledgements are `LeaseLost`, not replays. A reclaimed
 /// attempt whose start was never reported (it waited in a dead worker's local queue) is
 /// given back uncounted and due at once, at most [`HELD_EXPIRIES`] times per task.
 pub(crate) async fn fail(
